@@ -1,0 +1,100 @@
+// Job and node configuration: from environment variables (ps-lite/BytePS style names, with
+// DMLC_* accepted as fallbacks) and from command-line flags (apps/). The scheduler is the
+// source of truth for job-wide settings (sync mode, optimizer, slice size): servers and
+// workers receive them in the join handshake, so a cluster cannot run with two opinions.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "dsync/status.h"
+
+namespace dsync {
+
+enum class Role { kScheduler, kServer, kWorker };
+std::string_view RoleName(Role role);
+Result<Role> ParseRole(std::string_view text);
+
+// DESIGN.md §2. Round modes (bsp, dsync) close rounds by the delay bound D and quorum Q;
+// ssp and asp apply each gradient on arrival (one gradient per round).
+enum class SyncKind { kRound, kSsp, kAsp };
+
+struct SyncMode {
+  static constexpr uint32_t kAll = 0;  // quorum: every live worker
+  static constexpr uint32_t kUnbounded = std::numeric_limits<uint32_t>::max();
+
+  SyncKind kind = SyncKind::kRound;
+  uint32_t bound = 0;       // D (round modes) or K (ssp); kUnbounded for asp
+  uint32_t quorum = kAll;   // Q for round modes
+
+  static SyncMode Bsp() { return {}; }
+  static SyncMode Dsync(uint32_t d, uint32_t q = kAll) {
+    // D = 0 forces the quorum to "all": dsync:0 is bsp.
+    return {SyncKind::kRound, d, d == 0 ? kAll : q};
+  }
+  static SyncMode Ssp(uint32_t k) { return {SyncKind::kSsp, k, kAll}; }
+  static SyncMode Asp() { return {SyncKind::kAsp, kUnbounded, 1}; }
+
+  // "bsp", "dsync:K", "dsync:K,Q", "ssp:K", "asp".
+  static Result<SyncMode> Parse(std::string_view text);
+  std::string ToString() const;
+  bool operator==(const SyncMode&) const = default;
+};
+
+enum class OptimizerKind { kSgd, kMomentum, kAdam, kSum };
+std::string_view OptimizerName(OptimizerKind kind);
+Result<OptimizerKind> ParseOptimizer(std::string_view text);
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kSgd;
+  float lr = 0.01f;
+  float momentum = 0.9f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool operator==(const OptimizerConfig&) const = default;
+};
+
+struct Config {
+  Role role = Role::kWorker;
+
+  // Where the scheduler listens / is reached.
+  std::string scheduler_host = "127.0.0.1";
+  uint16_t scheduler_port = 9091;
+  // Interface this node's listeners bind to (servers, scheduler). Loopback unless configured:
+  // a parameter server accepts model writes from the network (DESIGN.md §6).
+  std::string bind_host = "127.0.0.1";
+  // Port a server listens on (0: any free port, announced to the scheduler).
+  uint16_t port = 0;
+  // Cluster token: a peer that does not present it is refused before it can join or push.
+  std::string token;
+
+  uint32_t num_servers = 1;
+  // Workers that must join before round 0 opens; later workers join a running job.
+  uint32_t num_workers = 1;
+
+  SyncMode sync;
+  OptimizerConfig optimizer;
+  uint64_t slice_bytes = 4ull << 20;
+
+  uint32_t heartbeat_interval_ms = 500;
+  uint32_t heartbeat_timeout_ms = 5000;
+  uint32_t connect_timeout_ms = 30000;
+
+  std::string transport = "tcp";  // tcp (rdma: issue 5)
+  std::string store = "cpu";      // cpu (cuda: issue 4)
+
+  // Scheduler: append every round decision as a JSON line here (audits, tests).
+  std::string audit_log;
+
+  // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults.
+  static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);
+  static Result<Config> FromProcessEnvironment();
+  Status Validate() const;
+};
+
+}  // namespace dsync

@@ -1,0 +1,40 @@
+// The scheduler: membership (join, leave, heartbeat failure), and the global round
+// decisions of DESIGN.md §2. It sees small control messages only, never payloads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dsync/config.h"
+#include "dsync/status.h"
+#include "dsync/types.h"
+
+namespace dsync {
+
+struct SchedulerStats {
+  Round rounds_closed = 0;
+  uint64_t gradients_committed = 0;
+  uint32_t live_workers = 0;
+  uint32_t workers_joined = 0;    // ever
+  uint32_t workers_left = 0;
+  uint32_t workers_failed = 0;
+  uint32_t max_staleness = 0;     // over every gradient placed in a round
+};
+
+class Scheduler {
+ public:
+  static Result<std::unique_ptr<Scheduler>> Start(const Config& config);
+  virtual ~Scheduler() = default;
+
+  virtual uint16_t port() const = 0;
+  // Runs until every worker that joined has left or failed and the servers have applied
+  // every decided round; then tells the servers to shut down.
+  virtual Status Run() = 0;
+  virtual void Stop() = 0;
+  virtual SchedulerStats stats() const = 0;
+  // Every round decided so far, in order (also written to Config::audit_log when set).
+  virtual std::vector<RoundRecord> history() const = 0;
+};
+
+}  // namespace dsync

@@ -1,0 +1,73 @@
+// The worker side of the parameter server: register tensors, push gradients, pull the model.
+//
+// One iteration of a worker is one *clock*: it pulls the model (version v), computes a
+// gradient on it, pushes that gradient tensor by tensor. When every registered tensor has
+// been pushed the clock is committed to the scheduler automatically (or earlier, by
+// Advance(), for an iteration that pushes only some tensors) and the clock advances. The
+// base version of the gradient is the lowest version among the slices last pulled.
+//
+// A push is *complete* when every slice was received by its server and the scheduler
+// acknowledged the commit; from then on the gradient is applied exactly once, even if this
+// process dies. Pulls wait only as long as the delay bound requires.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "dsync/config.h"
+#include "dsync/status.h"
+#include "dsync/types.h"
+
+namespace dsync {
+
+using Handle = uint64_t;
+
+// Job-wide settings a worker received from the scheduler when it joined.
+struct JobInfo {
+  WorkerId worker_id = 0;
+  SyncMode sync;
+  OptimizerConfig optimizer;
+  uint64_t slice_bytes = 0;
+  uint32_t num_servers = 0;
+  Round join_round = 0;    // first round this worker counts toward quorum in
+  Clock start_clock = 0;   // clock of this worker's first gradient
+};
+
+class Worker {
+ public:
+  // Connects to the scheduler and every server and joins the job. Blocks until admitted
+  // (the scheduler admits workers once all servers are up).
+  static Result<std::unique_ptr<Worker>> Start(const Config& config);
+  virtual ~Worker() = default;
+
+  virtual const JobInfo& job() const = 0;
+
+  // Registers a dense float32 tensor of init.size() elements. Every worker registers the
+  // same tensors in the same order; the first registration's values become the model.
+  virtual Result<TensorId> Register(std::string_view name, std::span<const float> init) = 0;
+
+  // Asynchronous operations; buffers must stay valid until Wait() returns. Errors (unknown
+  // tensor, a server's refusal, a lost peer) are reported by Wait().
+  virtual Handle Push(TensorId tensor, const float* grad) = 0;
+  virtual Handle Pull(TensorId tensor, float* out) = 0;
+  // Push, then pull the model of the next clock once this clock is committed.
+  virtual Handle PushPull(TensorId tensor, const float* grad, float* out) = 0;
+  // Commits the current clock with whatever was pushed (auto when all tensors are pushed).
+  virtual Handle Advance() = 0;
+
+  // For a pull, *version receives the lowest version among the slices it read.
+  virtual Status Wait(Handle handle, Version* version = nullptr) = 0;
+  virtual Status WaitAll() = 0;
+
+  virtual Clock clock() const = 0;            // clock of the gradient being computed now
+  virtual Version base_version() const = 0;   // lowest version among the latest pulls
+
+  // Leaves the job gracefully: waits for outstanding work, then tells the scheduler.
+  virtual Status Leave() = 0;
+  // Drops every connection without telling anyone, as a crash would (for tests).
+  virtual void Abandon() = 0;
+};
+
+}  // namespace dsync

@@ -1,0 +1,148 @@
+#include "cpu/cpu_store.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "ps/optimizer.h"
+
+namespace dsync::cpu {
+namespace {
+
+using ps::SliceKey;
+
+constexpr size_t kPage = 4096;
+// Gradients are summed block by block in a stack buffer that stays in L1/L2, then the
+// optimizer runs over the block: one pass over the parameters, same order of additions as
+// summing whole gradients one after another (so the result is bit-identical to that).
+constexpr size_t kBlock = 2048;
+
+size_t RoundUpToPage(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using FloatBuffer = std::unique_ptr<float[], FreeDeleter>;
+
+FloatBuffer AllocFloats(size_t n, bool zero) {
+  auto* p = static_cast<float*>(std::aligned_alloc(kPage, RoundUpToPage(std::max<size_t>(n, 1) * sizeof(float))));
+  if (p && zero) std::memset(p, 0, n * sizeof(float));
+  return FloatBuffer(p);
+}
+
+struct Slice {
+  uint64_t n = 0;
+  FloatBuffer params;
+  FloatBuffer state[2];  // momentum: v; adam: m, v (allocated on first use)
+  uint64_t steps = 0;    // updates applied (adam's t)
+};
+
+class CpuStore final : public ps::ParamStore {
+ public:
+  std::string_view name() const override { return "cpu"; }
+
+  void* AllocateHost(size_t bytes) override {
+    return std::aligned_alloc(kPage, RoundUpToPage(std::max<size_t>(bytes, 1)));
+  }
+  void FreeHost(void* ptr, size_t /*bytes*/) override { std::free(ptr); }
+
+  Status InitSlice(SliceKey key, std::span<const float> init) override {
+    auto slice = std::make_unique<Slice>();
+    slice->n = init.size();
+    slice->params = AllocFloats(init.size(), false);
+    if (!slice->params) {
+      return Error(StatusCode::kUnavailable, "out of host memory for a slice of {} floats",
+                   init.size());
+    }
+    std::memcpy(slice->params.get(), init.data(), init.size_bytes());
+    std::unique_lock lock(mu_);
+    if (!slices_.emplace(key, std::move(slice)).second) {
+      return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
+    }
+    return Status::Ok();
+  }
+
+  bool HasSlice(SliceKey key) const override { return Find(key) != nullptr; }
+
+  uint64_t SliceElements(SliceKey key) const override {
+    const Slice* s = Find(key);
+    return s ? s->n : 0;
+  }
+
+  Status ApplyRound(SliceKey key, std::span<const float* const> grads,
+                    const OptimizerConfig& opt) override {
+    Slice* s = Find(key);
+    if (!s) return Error(StatusCode::kNotFound, "slice {:#x} does not exist", key);
+    if (grads.empty()) return Status::Ok();
+    const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
+    for (uint32_t i = 0; i < slots; ++i) {
+      if (!s->state[i]) {
+        s->state[i] = AllocFloats(s->n, true);
+        if (!s->state[i]) return Error(StatusCode::kUnavailable, "out of host memory for optimizer state");
+      }
+    }
+    ++s->steps;
+    const ps::OptimizerScalars sc =
+        ps::MakeOptimizerScalars(opt, s->steps, static_cast<uint32_t>(grads.size()));
+    float sum[kBlock];
+    for (uint64_t base = 0; base < s->n; base += kBlock) {
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(kBlock, s->n - base));
+      std::memcpy(sum, grads[0] + base, len * sizeof(float));
+      for (size_t k = 1; k < grads.size(); ++k) {
+        const float* g = grads[k] + base;
+        for (size_t i = 0; i < len; ++i) sum[i] += g[i];
+      }
+      float* w = s->params.get() + base;
+      switch (opt.kind) {
+        case OptimizerKind::kSum:
+          for (size_t i = 0; i < len; ++i) ps::SumStep(w[i], sum[i]);
+          break;
+        case OptimizerKind::kSgd:
+          for (size_t i = 0; i < len; ++i) ps::SgdStep(w[i], sum[i], sc);
+          break;
+        case OptimizerKind::kMomentum: {
+          float* v = s->state[0].get() + base;
+          for (size_t i = 0; i < len; ++i) ps::MomentumStep(w[i], v[i], sum[i], sc);
+          break;
+        }
+        case OptimizerKind::kAdam: {
+          float* m = s->state[0].get() + base;
+          float* v = s->state[1].get() + base;
+          for (size_t i = 0; i < len; ++i) ps::AdamStep(w[i], m[i], v[i], sum[i], sc);
+          break;
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status Read(SliceKey key, std::span<float> out) const override {
+    const Slice* s = Find(key);
+    if (!s) return Error(StatusCode::kNotFound, "slice {:#x} does not exist", key);
+    if (out.size() != s->n) {
+      return Error(StatusCode::kInvalidArgument, "read of slice {:#x}: {} floats asked, it has {}",
+                   key, out.size(), s->n);
+    }
+    std::memcpy(out.data(), s->params.get(), s->n * sizeof(float));
+    return Status::Ok();
+  }
+
+ private:
+  Slice* Find(SliceKey key) const {
+    std::shared_lock lock(mu_);
+    auto it = slices_.find(key);
+    return it == slices_.end() ? nullptr : it->second.get();
+  }
+
+  mutable std::shared_mutex mu_;  // guards the map, not the slices (see ParamStore)
+  std::unordered_map<SliceKey, std::unique_ptr<Slice>> slices_;
+};
+
+}  // namespace
+
+std::unique_ptr<ps::ParamStore> MakeCpuStore() { return std::make_unique<CpuStore>(); }
+
+}  // namespace dsync::cpu

@@ -1,0 +1,45 @@
+#include "ps/buffer_pool.h"
+
+#include <bit>
+
+namespace dsync::ps {
+
+size_t BufferPool::ClassOf(size_t bytes) {
+  const size_t c = std::bit_width(bytes <= 1 ? size_t{1} : bytes - 1);
+  return c < kMinClass ? kMinClass : c;
+}
+
+BufferPool::~BufferPool() {
+  for (size_t c = 0; c < kClasses; ++c) {
+    for (void* p : free_[c]) store_->FreeHost(p, size_t{1} << c);
+  }
+}
+
+void* BufferPool::Acquire(size_t bytes) {
+  const size_t c = ClassOf(bytes);
+  if (c >= kClasses) return nullptr;
+  {
+    std::lock_guard lock(mu_);
+    if (!free_[c].empty()) {
+      void* p = free_[c].back();
+      free_[c].pop_back();
+      return p;
+    }
+    ++created_;
+  }
+  return store_->AllocateHost(size_t{1} << c);
+}
+
+void BufferPool::Release(void* buffer, size_t bytes) {
+  if (!buffer) return;
+  const size_t c = ClassOf(bytes);
+  std::lock_guard lock(mu_);
+  free_[c].push_back(buffer);
+}
+
+uint64_t BufferPool::created() const {
+  std::lock_guard lock(mu_);
+  return created_;
+}
+
+}  // namespace dsync::ps

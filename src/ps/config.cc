@@ -1,0 +1,249 @@
+#include "dsync/config.h"
+
+#include <charconv>
+#include <cstdlib>
+
+extern char** environ;  // NOLINT: POSIX
+
+namespace dsync {
+namespace {
+
+Result<uint64_t> ParseUnsigned(std::string_view what, std::string_view text, uint64_t max) {
+  uint64_t v = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v > max) {
+    return Error(StatusCode::kInvalidArgument, "{}: '{}' is not a whole number up to {}", what,
+                 text, max);
+  }
+  return v;
+}
+
+Result<float> ParseFloat(std::string_view what, std::string_view text) {
+  std::string s(text);
+  char* end = nullptr;
+  const float v = std::strtof(s.c_str(), &end);
+  if (s.empty() || end != s.c_str() + s.size()) {
+    return Error(StatusCode::kInvalidArgument, "{}: '{}' is not a number", what, text);
+  }
+  return v;
+}
+
+// Sizes such as 4194304, 4M, 4MiB, 512k.
+Result<uint64_t> ParseBytes(std::string_view what, std::string_view text) {
+  uint64_t mult = 1;
+  std::string_view digits = text;
+  auto strip = [&](std::string_view suffix, uint64_t m) {
+    if (digits.size() > suffix.size() && digits.ends_with(suffix)) {
+      digits.remove_suffix(suffix.size());
+      mult = m;
+      return true;
+    }
+    return false;
+  };
+  strip("KiB", 1ull << 10) || strip("MiB", 1ull << 20) || strip("GiB", 1ull << 30) ||
+      strip("k", 1ull << 10) || strip("K", 1ull << 10) || strip("M", 1ull << 20) ||
+      strip("G", 1ull << 30);
+  DSYNC_ASSIGN_OR_RETURN(uint64_t v, ParseUnsigned(what, digits, UINT64_MAX / mult));
+  return v * mult;
+}
+
+}  // namespace
+
+std::string_view RoleName(Role role) {
+  switch (role) {
+    case Role::kScheduler: return "scheduler";
+    case Role::kServer: return "server";
+    case Role::kWorker: return "worker";
+  }
+  return "unknown";
+}
+
+Result<Role> ParseRole(std::string_view text) {
+  if (text == "scheduler") return Role::kScheduler;
+  if (text == "server") return Role::kServer;
+  if (text == "worker") return Role::kWorker;
+  return Error(StatusCode::kInvalidArgument,
+               "role '{}' is not one of scheduler, server, worker", text);
+}
+
+Result<SyncMode> SyncMode::Parse(std::string_view text) {
+  auto bad = [&](std::string_view why) {
+    return Error(StatusCode::kInvalidArgument,
+                 "sync mode '{}': {} (expected bsp, dsync:K, dsync:K,Q, ssp:K or asp)", text,
+                 why);
+  };
+  if (text == "bsp") return Bsp();
+  if (text == "asp") return Asp();
+  if (text.starts_with("ssp:")) {
+    auto k = ParseUnsigned("ssp bound", text.substr(4), UINT32_MAX - 1);
+    if (!k.ok()) return bad(k.status().message());
+    return Ssp(static_cast<uint32_t>(*k));
+  }
+  if (text.starts_with("dsync:")) {
+    std::string_view rest = text.substr(6);
+    if (rest == "auto") {
+      return Error(StatusCode::kUnimplemented,
+                   "sync mode 'dsync:auto' (adaptive bound) is not available yet; use dsync:K,Q");
+    }
+    std::string_view q_text;
+    if (auto comma = rest.find(','); comma != std::string_view::npos) {
+      q_text = rest.substr(comma + 1);
+      rest = rest.substr(0, comma);
+    }
+    auto d = ParseUnsigned("delay bound", rest, UINT32_MAX - 1);
+    if (!d.ok()) return bad(d.status().message());
+    uint32_t q = kAll;
+    if (!q_text.empty()) {
+      auto qv = ParseUnsigned("quorum", q_text, UINT32_MAX - 1);
+      if (!qv.ok()) return bad(qv.status().message());
+      if (*qv == 0) return bad("the quorum must be at least 1");
+      q = static_cast<uint32_t>(*qv);
+    }
+    return Dsync(static_cast<uint32_t>(*d), q);
+  }
+  return bad("unknown mode");
+}
+
+std::string SyncMode::ToString() const {
+  switch (kind) {
+    case SyncKind::kAsp: return "asp";
+    case SyncKind::kSsp: return fmt::format("ssp:{}", bound);
+    case SyncKind::kRound:
+      if (bound == 0) return "bsp";
+      if (quorum == kAll) return fmt::format("dsync:{}", bound);
+      return fmt::format("dsync:{},{}", bound, quorum);
+  }
+  return "unknown";
+}
+
+std::string_view OptimizerName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kSgd: return "sgd";
+    case OptimizerKind::kMomentum: return "momentum";
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kSum: return "sum";
+  }
+  return "unknown";
+}
+
+Result<OptimizerKind> ParseOptimizer(std::string_view text) {
+  if (text == "sgd") return OptimizerKind::kSgd;
+  if (text == "momentum") return OptimizerKind::kMomentum;
+  if (text == "adam") return OptimizerKind::kAdam;
+  if (text == "sum") return OptimizerKind::kSum;
+  return Error(StatusCode::kInvalidArgument,
+               "optimizer '{}' is not one of sgd, momentum, adam, sum", text);
+}
+
+Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>& env) {
+  Config c;
+  // DSYNC_* first, then the ps-lite/BytePS name users may already have exported.
+  auto get = [&](std::initializer_list<const char*> names) -> const std::string* {
+    for (const char* n : names) {
+      if (auto it = env.find(n); it != env.end() && !it->second.empty()) return &it->second;
+    }
+    return nullptr;
+  };
+  auto u32 = [&](std::initializer_list<const char*> names, uint32_t* out) -> Status {
+    if (const std::string* v = get(names)) {
+      DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned(*names.begin(), *v, UINT32_MAX));
+      *out = static_cast<uint32_t>(x);
+    }
+    return Status::Ok();
+  };
+  auto f32 = [&](const char* name, float* out) -> Status {
+    if (const std::string* v = get({name})) {
+      DSYNC_ASSIGN_OR_RETURN(*out, ParseFloat(name, *v));
+    }
+    return Status::Ok();
+  };
+
+  if (const std::string* v = get({"DSYNC_ROLE", "DMLC_ROLE"})) {
+    DSYNC_ASSIGN_OR_RETURN(c.role, ParseRole(*v));
+  }
+  if (const std::string* v = get({"DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI"})) {
+    c.scheduler_host = *v;
+  }
+  uint32_t port = c.scheduler_port;
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"}, &port));
+  if (port > 65535) {
+    return Error(StatusCode::kInvalidArgument, "DSYNC_SCHEDULER_PORT {} is not a port", port);
+  }
+  c.scheduler_port = static_cast<uint16_t>(port);
+  uint32_t own_port = 0;
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_PORT", "DMLC_PORT"}, &own_port));
+  if (own_port > 65535) {
+    return Error(StatusCode::kInvalidArgument, "DSYNC_PORT {} is not a port", own_port);
+  }
+  c.port = static_cast<uint16_t>(own_port);
+  if (const std::string* v = get({"DSYNC_INTERFACE", "DMLC_NODE_HOST"})) c.bind_host = *v;
+  if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER"}, &c.num_servers));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER"}, &c.num_workers));
+  if (const std::string* v = get({"DSYNC_SYNC"})) {
+    DSYNC_ASSIGN_OR_RETURN(c.sync, SyncMode::Parse(*v));
+  }
+  if (const std::string* v = get({"DSYNC_OPTIMIZER"})) {
+    DSYNC_ASSIGN_OR_RETURN(c.optimizer.kind, ParseOptimizer(*v));
+  }
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_LR", &c.optimizer.lr));
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_MOMENTUM", &c.optimizer.momentum));
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_BETA1", &c.optimizer.beta1));
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_BETA2", &c.optimizer.beta2));
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_EPS", &c.optimizer.eps));
+  DSYNC_RETURN_IF_ERROR(f32("DSYNC_WEIGHT_DECAY", &c.optimizer.weight_decay));
+  if (const std::string* v = get({"DSYNC_SLICE_BYTES"})) {
+    DSYNC_ASSIGN_OR_RETURN(c.slice_bytes, ParseBytes("DSYNC_SLICE_BYTES", *v));
+  }
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_MS"}, &c.heartbeat_interval_ms));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));
+  if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
+  if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
+  if (const std::string* v = get({"DSYNC_AUDIT_LOG"})) c.audit_log = *v;
+  return c;
+}
+
+Result<Config> Config::FromProcessEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string_view kv(*e);
+    if (!kv.starts_with("DSYNC_") && !kv.starts_with("DMLC_")) continue;
+    const auto eq = kv.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace(std::string(kv.substr(0, eq)), std::string(kv.substr(eq + 1)));
+  }
+  return FromEnvironment(env);
+}
+
+Status Config::Validate() const {
+  if (num_servers == 0) {
+    return Error(StatusCode::kInvalidArgument, "the job needs at least one server (num_servers)");
+  }
+  if (num_workers == 0) {
+    return Error(StatusCode::kInvalidArgument, "the job needs at least one worker (num_workers)");
+  }
+  if (slice_bytes < 4 || slice_bytes > (1ull << 30)) {
+    return Error(StatusCode::kInvalidArgument,
+                 "slice size {} bytes is outside 4 bytes .. 1 GiB", slice_bytes);
+  }
+  if (heartbeat_interval_ms == 0 || heartbeat_timeout_ms <= heartbeat_interval_ms) {
+    return Error(StatusCode::kInvalidArgument,
+                 "heartbeat timeout ({} ms) must exceed the heartbeat interval ({} ms)",
+                 heartbeat_timeout_ms, heartbeat_interval_ms);
+  }
+  if (transport != "tcp") {
+    return Error(StatusCode::kUnimplemented,
+                 "transport '{}' is not available in this build; use --transport tcp", transport);
+  }
+  if (store != "cpu" && store != "auto") {
+    return Error(StatusCode::kUnimplemented,
+                 "parameter store '{}' is not available in this build; use --store cpu", store);
+  }
+  if (!(optimizer.lr >= 0.0f)) {
+    return Error(StatusCode::kInvalidArgument, "learning rate {} must be >= 0", optimizer.lr);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dsync

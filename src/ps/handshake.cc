@@ -1,0 +1,142 @@
+#include "ps/handshake.h"
+
+#include <nlohmann/json.hpp>
+
+namespace dsync::ps {
+namespace {
+
+using nlohmann::json;
+
+Result<json> ParseJson(std::span<const std::byte> meta, std::string_view what) {
+  json j = json::parse(AsText(meta), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Error(StatusCode::kProtocol, "{} is not a JSON object", what);
+  }
+  return j;
+}
+
+// Reads a field of the expected type without throwing on a malformed peer message.
+template <typename T>
+Status Field(const json& j, const char* key, T* out) {
+  auto it = j.find(key);
+  if (it == j.end()) return Error(StatusCode::kProtocol, "handshake field '{}' is missing", key);
+  try {
+    *out = it->template get<T>();
+  } catch (const json::exception&) {
+    return Error(StatusCode::kProtocol, "handshake field '{}' has the wrong type", key);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string EncodeHello(const Hello& h) {
+  json j = {{"role", RoleName(h.role)}, {"token", h.token}, {"node", h.node},
+            {"host", h.host},           {"port", h.port}};
+  return j.dump();
+}
+
+Result<Hello> DecodeHello(std::span<const std::byte> meta) {
+  DSYNC_ASSIGN_OR_RETURN(json j, ParseJson(meta, "hello"));
+  Hello h;
+  std::string role;
+  DSYNC_RETURN_IF_ERROR(Field(j, "role", &role));
+  DSYNC_ASSIGN_OR_RETURN(h.role, ParseRole(role));
+  DSYNC_RETURN_IF_ERROR(Field(j, "token", &h.token));
+  DSYNC_RETURN_IF_ERROR(Field(j, "node", &h.node));
+  DSYNC_RETURN_IF_ERROR(Field(j, "host", &h.host));
+  DSYNC_RETURN_IF_ERROR(Field(j, "port", &h.port));
+  return h;
+}
+
+std::string EncodeWelcome(const Welcome& w) {
+  json servers = json::array();
+  for (const ServerAddress& s : w.servers) {
+    servers.push_back({{"id", s.id}, {"host", s.host}, {"port", s.port}});
+  }
+  const OptimizerConfig& o = w.optimizer;
+  json j = {{"id", w.id},
+            {"sync", w.sync.ToString()},
+            {"optimizer",
+             {{"kind", OptimizerName(o.kind)}, {"lr", o.lr}, {"momentum", o.momentum},
+              {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps},
+              {"weight_decay", o.weight_decay}}},
+            {"slice_bytes", w.slice_bytes},
+            {"heartbeat_interval_ms", w.heartbeat_interval_ms},
+            {"servers", servers},
+            {"join_round", w.join_round},
+            {"start_clock", w.start_clock},
+            {"gate", w.gate}};
+  return j.dump();
+}
+
+Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
+  DSYNC_ASSIGN_OR_RETURN(json j, ParseJson(meta, "welcome"));
+  Welcome w;
+  std::string sync;
+  DSYNC_RETURN_IF_ERROR(Field(j, "id", &w.id));
+  DSYNC_RETURN_IF_ERROR(Field(j, "sync", &sync));
+  DSYNC_ASSIGN_OR_RETURN(w.sync, SyncMode::Parse(sync));
+  json opt;
+  DSYNC_RETURN_IF_ERROR(Field(j, "optimizer", &opt));
+  std::string kind;
+  DSYNC_RETURN_IF_ERROR(Field(opt, "kind", &kind));
+  DSYNC_ASSIGN_OR_RETURN(w.optimizer.kind, ParseOptimizer(kind));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "lr", &w.optimizer.lr));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "momentum", &w.optimizer.momentum));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "beta1", &w.optimizer.beta1));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "beta2", &w.optimizer.beta2));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "eps", &w.optimizer.eps));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "weight_decay", &w.optimizer.weight_decay));
+  DSYNC_RETURN_IF_ERROR(Field(j, "slice_bytes", &w.slice_bytes));
+  DSYNC_RETURN_IF_ERROR(Field(j, "heartbeat_interval_ms", &w.heartbeat_interval_ms));
+  json servers;
+  DSYNC_RETURN_IF_ERROR(Field(j, "servers", &servers));
+  if (!servers.is_array()) return Error(StatusCode::kProtocol, "welcome: servers is not a list");
+  for (const json& s : servers) {
+    ServerAddress a;
+    DSYNC_RETURN_IF_ERROR(Field(s, "id", &a.id));
+    DSYNC_RETURN_IF_ERROR(Field(s, "host", &a.host));
+    DSYNC_RETURN_IF_ERROR(Field(s, "port", &a.port));
+    w.servers.push_back(std::move(a));
+  }
+  DSYNC_RETURN_IF_ERROR(Field(j, "join_round", &w.join_round));
+  DSYNC_RETURN_IF_ERROR(Field(j, "start_clock", &w.start_clock));
+  DSYNC_RETURN_IF_ERROR(Field(j, "gate", &w.gate));
+  return w;
+}
+
+bool TokenMatches(const std::string& expected, const std::string& presented) {
+  unsigned diff = expected.size() == presented.size() ? 0u : 1u;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const char p = i < presented.size() ? presented[i] : '\0';
+    diff |= static_cast<unsigned>(static_cast<unsigned char>(expected[i]) ^
+                                  static_cast<unsigned char>(p));
+  }
+  return diff == 0;
+}
+
+Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& error,
+                 const FrameHeader& about) {
+  FrameHeader h = MakeHeader(MsgType::kError, self);
+  h.status = static_cast<uint16_t>(error.code());
+  h.request = about.request;
+  h.tensor = about.tensor;
+  h.slice = about.slice;
+  h.round = about.type;  // which kind of request was refused
+  const std::string& text = error.message();
+  const size_t n = std::min<size_t>(text.size(), kMaxMetaBytes);
+  return transport.Send(peer, h, AsBytes(std::string_view(text).substr(0, n)), nullptr, 0);
+}
+
+Status SendControl(Transport& transport, PeerId peer, const FrameHeader& header) {
+  return transport.Send(peer, header, {}, nullptr, 0);
+}
+
+Status ErrorFromFrame(const FrameHeader& header, std::span<const std::byte> meta) {
+  auto code = static_cast<StatusCode>(header.status);
+  if (code == StatusCode::kOk) code = StatusCode::kInternal;
+  return Status(code, std::string(AsText(meta)));
+}
+
+}  // namespace dsync::ps

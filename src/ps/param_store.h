@@ -1,0 +1,50 @@
+// The ParamStore seam (DESIGN.md §3): where slices live and how rounds are applied. The CPU
+// store (src/cpu) and the CUDA store (src/cuda, issue 4) implement it; src/ps decides
+// *what* to apply, the store only *how*.
+//
+// A store is not internally synchronized per slice: the server never applies and reads the
+// same slice concurrently. Different slices may be used from different threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "dsync/config.h"
+#include "dsync/status.h"
+
+namespace dsync::ps {
+
+using SliceKey = uint64_t;  // (tensor << 32) | slice index
+inline SliceKey MakeSliceKey(uint32_t tensor, uint32_t slice) {
+  return (static_cast<uint64_t>(tensor) << 32) | slice;
+}
+
+class ParamStore {
+ public:
+  virtual ~ParamStore() = default;
+  virtual std::string_view name() const = 0;
+
+  // Host memory that gradients are received into and pulls are sent from. The CUDA store
+  // returns pinned memory so that copies to the device run asynchronously. Callers pool it.
+  virtual void* AllocateHost(size_t bytes) = 0;
+  virtual void FreeHost(void* ptr, size_t bytes) = 0;
+
+  // Creates a float32 slice holding `init`; optimizer state starts at zero.
+  virtual Status InitSlice(SliceKey key, std::span<const float> init) = 0;
+  virtual bool HasSlice(SliceKey key) const = 0;
+  virtual uint64_t SliceElements(SliceKey key) const = 0;  // 0 when absent
+
+  // Applies one round to a slice: the gradients are summed in the order given (the
+  // worker-id order that makes rounds deterministic), then the optimizer updates the
+  // parameters with that sum (`sum`) or with the mean over grads.size() (the others).
+  // No gradients: nothing changes.
+  virtual Status ApplyRound(SliceKey key, std::span<const float* const> grads,
+                            const OptimizerConfig& optimizer) = 0;
+
+  // Copies the slice's parameters into `out` (host memory of SliceElements(key) floats).
+  virtual Status Read(SliceKey key, std::span<float> out) const = 0;
+};
+
+}  // namespace dsync::ps

@@ -1,0 +1,242 @@
+#include "ps/round_rule.h"
+
+#include <algorithm>
+
+namespace dsync::ps {
+
+RoundRule::RoundRule(SyncMode mode) : mode_(mode) {
+  if (mode_.kind == SyncKind::kRound && mode_.bound == 0) mode_.quorum = SyncMode::kAll;
+}
+
+uint32_t RoundRule::live_workers() const {
+  uint32_t n = 0;
+  for (const auto& [id, w] : workers_) n += w.live ? 1 : 0;
+  return n;
+}
+
+bool RoundRule::has_queued() const {
+  if (!ready_.empty()) return true;
+  for (const auto& [id, w] : workers_) {
+    if (!w.queue.empty()) return true;
+  }
+  return false;
+}
+
+bool RoundRule::is_live(WorkerId w) const {
+  auto it = workers_.find(w);
+  return it != workers_.end() && it->second.live;
+}
+
+Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
+  if (workers_.contains(id)) {
+    return Error(StatusCode::kAlreadyExists, "worker {} has already joined", id);
+  }
+  WorkerState w;
+  // A new worker's clocks continue from the slowest live worker, so that ssp gates of the
+  // others never wait for clocks it will not produce.
+  std::optional<Clock> min_clock;
+  for (const auto& [other_id, other] : workers_) {
+    if (other.live) min_clock = std::min(min_clock.value_or(other.next_clock), other.next_clock);
+  }
+  w.next_clock = min_clock.value_or(0);
+  if (RoundMode()) {
+    w.join_round = initial ? open_round_ : open_round_ + 1;
+    // As if its last gradient had gone to round join_round - 1: the first gradient can then
+    // be placed in join_round or earlier within the bound.
+    w.floor = initial ? 0 : SaturatingSub(w.join_round, mode_.bound);
+  } else {
+    w.join_round = open_round_;
+    w.floor = mode_.kind == SyncKind::kSsp ? open_round_ : 0;
+  }
+  Admission a{w.join_round, w.next_clock, w.floor};
+  workers_.emplace(id, std::move(w));
+  return a;
+}
+
+Status RoundRule::Begin(WorkerId id, Clock clock, Version base) {
+  auto it = workers_.find(id);
+  if (it == workers_.end() || !it->second.live) {
+    return Error(StatusCode::kFailedPrecondition, "worker {} is not a live member", id);
+  }
+  WorkerState& w = it->second;
+  if (clock != w.next_clock) return Status::Ok();  // a late report about an older clock
+  if (base > open_round_) {
+    return Error(StatusCode::kInvalidArgument,
+                 "worker {} reports base version {} but only {} rounds have closed", id, base,
+                 open_round_);
+  }
+  w.begun = std::max(base, w.begun.value_or(0));
+  return Status::Ok();
+}
+
+Result<CommitResult> RoundRule::Commit(WorkerId id, Clock clock, Version base, bool empty) {
+  auto it = workers_.find(id);
+  if (it == workers_.end() || !it->second.live) {
+    return Error(StatusCode::kAborted,
+                 "worker {} is not a live member (it left or was declared dead); its gradient "
+                 "of clock {} is refused",
+                 id, clock);
+  }
+  WorkerState& w = it->second;
+  if (clock != w.next_clock) {
+    return Error(StatusCode::kInvalidArgument, "worker {} commits clock {} but its next clock is {}",
+                 id, clock, w.next_clock);
+  }
+  if (empty) {
+    base = RoundMode() ? open_round_ + w.queue.size() : open_round_;
+  } else if (base > open_round_) {
+    return Error(StatusCode::kInvalidArgument,
+                 "worker {} commits a gradient on version {} but only {} rounds have closed", id,
+                 base, open_round_);
+  } else if (base < w.floor) {
+    return Error(StatusCode::kFailedPrecondition,
+                 "worker {}: gradient of clock {} was computed on version {}, older than the "
+                 "delay bound allows (>= {}); pull the model before computing",
+                 id, clock, base, w.floor);
+  }
+  ++stats_.gradients_committed;
+  ++w.next_clock;
+  w.begun.reset();
+  CommitResult result;
+  if (RoundMode()) {
+    result.round = open_round_ + w.queue.size();
+    w.queue.push_back({clock, base});
+    w.floor = SaturatingSub(result.round + 1, mode_.bound);
+    result.gate = w.floor;
+    return result;
+  }
+  // ssp / asp: a round of its own, decided now.
+  RoundRecord rec;
+  rec.round = open_round_++;
+  rec.members.push_back({id, clock, base});
+  rec.live_workers = live_workers();
+  rec.quorum_needed = 1;
+  rec.live_members = 1;
+  stats_.max_staleness =
+      std::max<uint32_t>(stats_.max_staleness, static_cast<uint32_t>(rec.round - base));
+  ++stats_.rounds_closed;
+  ++stats_.gradients_placed;
+  ready_.push_back(std::move(rec));
+  result.round = open_round_ - 1;
+  if (mode_.kind == SyncKind::kAsp) {
+    result.gate = 0;
+  } else if (SspGateOpen(w.next_clock)) {
+    w.floor = open_round_;
+    result.gate = w.floor;
+  } else {
+    w.ssp_wait = w.next_clock;
+  }
+  ReleaseSspGates();  // this commit may be what others waited for
+  return result;
+}
+
+Result<Clock> RoundRule::Remove(WorkerId id, bool /*failed*/) {
+  auto it = workers_.find(id);
+  if (it == workers_.end() || !it->second.live) {
+    return Error(StatusCode::kNotFound, "worker {} is not a live member", id);
+  }
+  WorkerState& w = it->second;
+  w.live = false;
+  w.ssp_wait.reset();
+  const Clock next = w.next_clock;
+  if (w.queue.empty()) workers_.erase(it);
+  ReleaseSspGates();
+  return next;
+}
+
+bool RoundRule::MayClose(Round r) const {
+  uint32_t eligible = 0;
+  uint32_t contributing = 0;
+  bool any = false;
+  bool joiner_waits = false;
+  for (const auto& [id, w] : workers_) {
+    any = any || !w.queue.empty();
+    if (!w.live) continue;
+    if (w.join_round <= r) {
+      ++eligible;
+      if (!w.queue.empty()) ++contributing;
+    } else {
+      joiner_waits = true;
+    }
+    if (w.queue.empty()) {
+      // Closing r without w pushes w's in-progress gradient to round r + 1 at the earliest.
+      const Version b = std::max(w.begun.value_or(0), w.floor);
+      if (r + 1 - std::min<uint64_t>(b, r + 1) > mode_.bound) return false;
+    }
+  }
+  // A round holds at least one gradient, except when only workers that count from the next
+  // round are left: then it closes empty (the version advances, the model does not change)
+  // so that their first pull, waiting for that version, is answered.
+  if (!any) return eligible == 0 && joiner_waits;
+  const uint32_t need =
+      mode_.quorum == SyncMode::kAll ? eligible : std::min(mode_.quorum, eligible);
+  return contributing >= need;
+}
+
+RoundRecord RoundRule::CloseOne() {
+  RoundRecord rec;
+  rec.round = open_round_;
+  for (auto it = workers_.begin(); it != workers_.end();) {
+    WorkerState& w = it->second;
+    if (w.live && w.join_round <= rec.round) ++rec.live_workers;
+    if (!w.queue.empty()) {
+      const Queued q = w.queue.front();
+      w.queue.pop_front();
+      rec.members.push_back({it->first, q.clock, q.base});
+      if (w.live) ++rec.live_members;
+      stats_.max_staleness =
+          std::max<uint32_t>(stats_.max_staleness, static_cast<uint32_t>(rec.round - q.base));
+      ++stats_.gradients_placed;
+    }
+    if (!w.live && w.queue.empty()) {
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  rec.quorum_needed = mode_.quorum == SyncMode::kAll ? rec.live_workers
+                                                     : std::min(mode_.quorum, rec.live_workers);
+  ++open_round_;
+  ++stats_.rounds_closed;
+  return rec;
+}
+
+std::vector<RoundRecord> RoundRule::CloseReady() {
+  std::vector<RoundRecord> out;
+  if (RoundMode()) {
+    while (MayClose(open_round_)) out.push_back(CloseOne());
+  } else {
+    while (!ready_.empty()) {
+      out.push_back(std::move(ready_.front()));
+      ready_.pop_front();
+    }
+  }
+  return out;
+}
+
+bool RoundRule::SspGateOpen(Clock clock) const {
+  // A pull at `clock` must see every live worker's gradients of clocks < clock - K.
+  const Clock needed = SaturatingSub(clock, mode_.bound);
+  for (const auto& [id, w] : workers_) {
+    if (w.live && w.next_clock < needed) return false;
+  }
+  return true;
+}
+
+void RoundRule::ReleaseSspGates() {
+  if (mode_.kind != SyncKind::kSsp) return;
+  for (auto& [id, w] : workers_) {
+    if (!w.live || !w.ssp_wait || !SspGateOpen(*w.ssp_wait)) continue;
+    w.floor = open_round_;
+    releases_.push_back({id, *w.ssp_wait, open_round_});
+    w.ssp_wait.reset();
+  }
+}
+
+std::vector<GateRelease> RoundRule::TakeGateReleases() {
+  std::vector<GateRelease> out;
+  out.swap(releases_);
+  return out;
+}
+
+}  // namespace dsync::ps

@@ -1,0 +1,120 @@
+// The round-closing rule of DESIGN.md §2, as a pure state machine: no I/O, no clocks, no
+// threads. The scheduler feeds it membership and commit events and sends out what it
+// decides; the property tests feed it random event orders and check the invariants.
+//
+// Round modes (bsp, dsync:K[,Q]). Each live worker w has a queue of committed gradients not
+// yet placed in a round. The open round R closes when
+//   (a) it holds the queue heads of at least min(Q, |E|) workers of E, the live workers
+//       counted toward quorum in R (those that joined at or before R), and
+//   (b) for every live worker w with an empty queue, computing on base b_w, R + 1 - b_w <= D
+//       (b_w as reported by Begin, else the lowest base w's pull gate allows), and
+//   (c) it holds at least one gradient, unless no live worker counts in R and a worker
+//       that joined during R waits for it (it then closes empty: a version, no update).
+// Closing takes the head of every worker's queue (live or gone: queued gradients are never
+// lost). So the k-th queued gradient of w lands in round R + k, which is known at commit
+// time; a worker's pull at its next clock is gated on version >= (that round) + 1 - D.
+//
+// ssp:K and asp. Every commit is placed in a round of its own at once ("applied on
+// arrival"). asp pulls never wait; an ssp pull at clock c waits until every live worker has
+// committed its gradients of clocks < c - K (and they are in decided rounds).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "dsync/config.h"
+#include "dsync/status.h"
+#include "dsync/types.h"
+
+namespace dsync::ps {
+
+struct Admission {
+  Round join_round = 0;   // first round w counts toward quorum in
+  Clock start_clock = 0;  // clock of w's first gradient
+  Version gate = 0;       // lowest version w's first pull may return
+};
+
+struct CommitResult {
+  Round round = 0;                // the round the gradient is (or will be) applied in
+  std::optional<Version> gate;    // min version for pulls at the next clock; empty: comes
+                                  // later through TakeGateReleases() (ssp)
+};
+
+struct GateRelease {
+  WorkerId worker = 0;
+  Clock clock = 0;        // the clock whose pulls this gate is for
+  Version min_version = 0;
+};
+
+struct RuleStats {
+  Round rounds_closed = 0;
+  uint64_t gradients_committed = 0;
+  uint64_t gradients_placed = 0;
+  uint32_t max_staleness = 0;
+};
+
+class RoundRule {
+ public:
+  explicit RoundRule(SyncMode mode);
+
+  // Admits a worker. `initial` workers joined before anything was committed and count from
+  // the open round; a worker joining a running job counts from the next round and its first
+  // pull waits so that its first gradient meets the bound there.
+  Result<Admission> Join(WorkerId w, bool initial);
+  // w now computes its gradient of `clock` on `base` (sent after its pulls finish).
+  Status Begin(WorkerId w, Clock clock, Version base);
+  // w's gradient of `clock`, computed on `base`, reached every server. An `empty` commit
+  // (w pushed nothing this clock but counts in the round) has no staleness: its base is
+  // taken as the round it lands in.
+  Result<CommitResult> Commit(WorkerId w, Clock clock, Version base, bool empty = false);
+  // Graceful leave (failed = false) or declared dead: never waited for again; its queued
+  // gradients are still applied. Returns w's next clock: every clock below it was
+  // committed, anything pushed for it or later is to be discarded.
+  Result<Clock> Remove(WorkerId w, bool failed);
+
+  // Closes every round that may close now, oldest first.
+  std::vector<RoundRecord> CloseReady();
+  // ssp gates that opened since the last call.
+  std::vector<GateRelease> TakeGateReleases();
+
+  const SyncMode& mode() const { return mode_; }
+  Round open_round() const { return open_round_; }
+  uint32_t live_workers() const;
+  bool has_queued() const;
+  bool is_live(WorkerId w) const;
+  const RuleStats& stats() const { return stats_; }
+
+ private:
+  struct Queued {
+    Clock clock;
+    Version base;
+  };
+  struct WorkerState {
+    bool live = true;
+    Round join_round = 0;
+    Clock next_clock = 0;           // clock of its next commit
+    std::deque<Queued> queue;       // committed, not yet placed
+    Version floor = 0;              // its pull gate: lowest base its next gradient may have
+    std::optional<Version> begun;   // base of the in-progress gradient, when reported
+    std::optional<Clock> ssp_wait;  // clock whose ssp gate is still closed
+  };
+
+  bool RoundMode() const { return mode_.kind == SyncKind::kRound; }
+  Version SaturatingSub(uint64_t a, uint64_t b) const { return a > b ? a - b : 0; }
+  bool MayClose(Round r) const;
+  RoundRecord CloseOne();
+  bool SspGateOpen(Clock clock) const;
+  void ReleaseSspGates();
+
+  SyncMode mode_;
+  Round open_round_ = 0;
+  std::map<WorkerId, WorkerState> workers_;  // ordered: rounds sum in worker-id order
+  std::deque<RoundRecord> ready_;            // ssp/asp: rounds decided on commit
+  std::vector<GateRelease> releases_;
+  RuleStats stats_;
+};
+
+}  // namespace dsync::ps

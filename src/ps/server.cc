@@ -1,0 +1,660 @@
+// The server node. Pushed slices are staged per (worker, clock) in pooled buffers the
+// transport reads straight into; nothing is applied until the scheduler names the round's
+// members, so a partial push (a worker that died between slices) is applied on no slice
+// and a committed one is applied on every slice alike (DESIGN.md §2, invariant 5).
+//
+// Threads: the transport's reader threads validate and stage pushes, answer pulls; one
+// apply thread applies rounds in order. A slice's mutex orders staging, reading and
+// applying of that slice.
+#include "dsync/server.h"
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "ps/backends.h"
+#include "ps/buffer_pool.h"
+#include "ps/handshake.h"
+
+namespace dsync {
+namespace ps {
+namespace {
+
+class ServerNode final : public Server, public TransportHandler {
+ public:
+  ServerNode(const Config& config, std::unique_ptr<Transport> transport,
+             std::unique_ptr<ParamStore> store)
+      : cfg_(config), transport_(std::move(transport)), store_(std::move(store)),
+        pool_(store_.get()) {}
+
+  ~ServerNode() override {
+    Stop();
+    transport_->Shutdown();
+    if (apply_thread_.joinable()) apply_thread_.join();
+    ReleaseAllStaged();
+  }
+
+  Status Init() {
+    transport_->SetHandler(this);
+    DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(cfg_.bind_host, cfg_.port));
+    DSYNC_ASSIGN_OR_RETURN(scheduler_, transport_->Connect(cfg_.scheduler_host,
+                                                           cfg_.scheduler_port,
+                                                           cfg_.connect_timeout_ms));
+    Hello hello;
+    hello.role = Role::kServer;
+    hello.token = cfg_.token;
+    hello.host = cfg_.bind_host;
+    hello.port = port_;
+    DSYNC_RETURN_IF_ERROR(transport_->Send(scheduler_, MakeHeader(MsgType::kHello, 0),
+                                           AsBytes(EncodeHello(hello)), nullptr, 0));
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, std::chrono::milliseconds(cfg_.connect_timeout_ms),
+                      [&] { return welcomed_ || !result_.ok(); })) {
+      return Error(StatusCode::kDeadlineExceeded,
+                   "the scheduler at {}:{} did not answer the server's registration",
+                   cfg_.scheduler_host, cfg_.scheduler_port);
+    }
+    if (!result_.ok()) return result_;
+    apply_thread_ = std::thread([this] { ApplyLoop(); });
+    spdlog::info("server {} listening on {}:{} (optimizer {}, lr {})", id_, cfg_.bind_host,
+                 port_, OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
+    return Status::Ok();
+  }
+
+  NodeId id() const override { return id_; }
+  uint16_t port() const override { return port_; }
+
+  Status Run() override {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return shutdown_ || stop_ || !result_.ok(); });
+    Status result = result_;
+    stop_ = true;
+    cv_.notify_all();
+    lock.unlock();
+    transport_->Shutdown();
+    if (apply_thread_.joinable()) apply_thread_.join();
+    spdlog::info("server {} stopped after {} round(s)", id_, stats_.rounds_applied.load());
+    return result;
+  }
+
+  void Stop() override {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+    cv_.notify_all();
+  }
+
+  ServerStats stats() const override {
+    ServerStats s;
+    s.rounds_applied = stats_.rounds_applied;
+    s.gradients_applied = stats_.gradients_applied;
+    s.pushes_received = stats_.pushes_received;
+    s.pulls_answered = stats_.pulls_answered;
+    s.requests_refused = stats_.requests_refused;
+    s.connections_dropped = stats_.connections_dropped;
+    {
+      std::shared_lock lock(slices_mu_);
+      s.slices = slice_list_.size();
+    }
+    s.staging_buffers = pool_.created();
+    return s;
+  }
+
+  // --- TransportHandler ---------------------------------------------------------------
+
+  void OnConnected(PeerId peer, bool inbound) override {
+    if (!inbound) return;
+    std::lock_guard lock(peers_mu_);
+    peers_[peer] = std::make_unique<PeerState>();
+  }
+
+  void OnDisconnected(PeerId peer, const Status& why) override {
+    if (peer == scheduler_) {
+      std::lock_guard lock(mu_);
+      if (!shutdown_ && !stop_ && result_.ok()) {
+        result_ = Error(StatusCode::kUnavailable, "lost the scheduler: {}", why.message());
+        spdlog::error("server {}: {}", id_, result_.message());
+      }
+      cv_.notify_all();
+      return;
+    }
+    std::lock_guard lock(peers_mu_);
+    peers_.erase(peer);
+  }
+
+  void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) override {
+    if (peer == scheduler_) return nullptr;
+    PeerState* ps = FindPeer(peer);
+    if (!ps) return nullptr;
+    ps->verdict = Status::Ok();
+    ps->init_exists = false;
+    if (!ps->worker) {
+      if (h.msg_type() != MsgType::kHello) {
+        ps->verdict = Error(StatusCode::kPermissionDenied, "the first frame must be a hello");
+      }
+      return nullptr;
+    }
+    switch (h.msg_type()) {
+      case MsgType::kPush: {
+        SliceState* s = nullptr;
+        ps->verdict = CheckData(h, &s);
+        if (ps->verdict.ok()) ps->verdict = CheckNotGone(ps->worker, h.round);
+        if (!ps->verdict.ok()) return nullptr;
+        void* buf = pool_.Acquire(h.payload_len);
+        if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
+        return buf;
+      }
+      case MsgType::kInit: {
+        ps->verdict = CheckInit(h, meta, &ps->init_exists);
+        if (!ps->verdict.ok() || ps->init_exists) return nullptr;
+        void* buf = pool_.Acquire(h.payload_len);
+        if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
+        return buf;
+      }
+      default:
+        if (h.payload_len != 0) {
+          ps->verdict = Error(StatusCode::kProtocol, "{} frames carry no payload",
+                              MsgTypeName(h.msg_type()));
+        }
+        return nullptr;
+    }
+  }
+
+  void OnPayloadLost(PeerId, const FrameHeader& h, void* payload) override {
+    pool_.Release(payload, h.payload_len);  // a truncated push stages nothing
+  }
+
+  void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
+               void* payload) override {
+    if (peer == scheduler_) {
+      HandleScheduler(h, meta);
+      return;
+    }
+    PeerState* ps = FindPeer(peer);
+    if (!ps) {
+      pool_.Release(payload, h.payload_len);
+      return;
+    }
+    if (!ps->verdict.ok()) {
+      pool_.Release(payload, h.payload_len);
+      Refuse(peer, h, ps->verdict, /*drop=*/!ps->worker || h.msg_type() == MsgType::kHello);
+      return;
+    }
+    switch (h.msg_type()) {
+      case MsgType::kHello: HandleHello(peer, ps, h, meta); return;
+      case MsgType::kPush: StagePush(peer, ps->worker, h, payload); return;
+      case MsgType::kPull: HandlePull(peer, h); return;
+      case MsgType::kInit: HandleInit(peer, h, meta, payload, ps->init_exists); return;
+      case MsgType::kHeartbeat: return;
+      default:
+        Refuse(peer, h,
+               Error(StatusCode::kProtocol, "a worker may not send {} to a server",
+                     MsgTypeName(h.msg_type())),
+               true);
+    }
+  }
+
+ private:
+  struct PeerState {
+    WorkerId worker = 0;  // 0 until the hello is accepted
+    Status verdict;       // OnHeader's judgement of the frame being read
+    bool init_exists = false;
+  };
+  struct Staged {
+    WorkerId worker;
+    Clock clock;
+    float* data;
+  };
+  struct WaitingPull {
+    PeerId peer;
+    uint64_t request;
+    Version min_version;
+  };
+  struct SliceState {
+    SliceKey key = 0;
+    uint32_t tensor = 0;
+    uint32_t index = 0;
+    uint64_t elements = 0;
+    std::mutex mu;
+    Version version = 0;
+    std::vector<Staged> staged;
+    std::vector<WaitingPull> waiting;
+  };
+  struct TensorMeta {
+    std::string name;
+    uint64_t elements = 0;
+  };
+  struct PendingRound {
+    Round round;
+    std::vector<RoundMember> members;
+  };
+
+  PeerState* FindPeer(PeerId peer) {
+    std::lock_guard lock(peers_mu_);
+    auto it = peers_.find(peer);
+    return it == peers_.end() ? nullptr : it->second.get();
+  }
+
+  SliceState* FindSlice(uint32_t tensor, uint32_t slice) {
+    std::shared_lock lock(slices_mu_);
+    auto it = slices_.find(MakeSliceKey(tensor, slice));
+    return it == slices_.end() ? nullptr : it->second.get();
+  }
+
+  void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
+    ++stats_.requests_refused;
+    spdlog::warn("server {}: refused {} from {}: {}", id_, MsgTypeName(about.msg_type()),
+                 transport_->PeerAddress(peer), error.message());
+    (void)SendError(*transport_, peer, id_, error, about);
+    if (drop) {
+      ++stats_.connections_dropped;
+      transport_->Close(peer);
+    }
+  }
+
+  // A push or pull names a slice this server holds, with the right dtype and length.
+  Status CheckData(const FrameHeader& h, SliceState** out) {
+    SliceState* s = FindSlice(h.tensor, h.slice);
+    if (!s) {
+      return Error(StatusCode::kNotFound,
+                   "tensor {} slice {} is not on server {}; register the tensor first", h.tensor,
+                   h.slice, id_);
+    }
+    if (h.msg_type() == MsgType::kPush) {
+      if (h.dtype != static_cast<uint8_t>(DType::kFloat32)) {
+        return Error(StatusCode::kInvalidArgument,
+                     "push to tensor {} slice {}: dtype {} is not supported (the model is float32)",
+                     h.tensor, h.slice, DTypeName(static_cast<DType>(h.dtype)));
+      }
+      if (h.payload_len != s->elements * sizeof(float)) {
+        return Error(StatusCode::kInvalidArgument,
+                     "push to tensor {} slice {}: {} bytes, expected {} ({} float32)", h.tensor,
+                     h.slice, h.payload_len, s->elements * sizeof(float), s->elements);
+      }
+    }
+    *out = s;
+    return Status::Ok();
+  }
+
+  Status CheckNotGone(WorkerId w, Clock clock) {
+    std::lock_guard lock(gone_mu_);
+    auto it = gone_.find(w);
+    if (it != gone_.end() && clock >= it->second) {
+      return Error(StatusCode::kAborted,
+                   "worker {} is no longer a member of the job; gradient of clock {} discarded", w,
+                   clock);
+    }
+    return Status::Ok();
+  }
+
+  Status CheckInit(const FrameHeader& h, std::span<const std::byte> meta, bool* exists) {
+    InitMeta im;
+    DSYNC_RETURN_IF_ERROR(DecodeInit(meta, im));
+    if (h.dtype != static_cast<uint8_t>(DType::kFloat32)) {
+      return Error(StatusCode::kInvalidArgument, "tensor '{}': dtype {} is not supported (float32)",
+                   im.name, DTypeName(static_cast<DType>(h.dtype)));
+    }
+    if (h.payload_len == 0 || h.payload_len % sizeof(float) != 0 ||
+        im.slice_offset + h.payload_len / sizeof(float) > im.tensor_elements) {
+      return Error(StatusCode::kInvalidArgument,
+                   "tensor '{}' slice {}: {} bytes do not fit a tensor of {} elements", im.name,
+                   h.slice, h.payload_len, im.tensor_elements);
+    }
+    std::shared_lock lock(slices_mu_);
+    if (auto t = tensors_.find(h.tensor); t != tensors_.end()) {
+      if (t->second.name != im.name || t->second.elements != im.tensor_elements) {
+        return Error(StatusCode::kInvalidArgument,
+                     "tensor {} is '{}' ({} elements) on server {}, but this worker registers "
+                     "'{}' ({} elements): every worker must register the same tensors in the "
+                     "same order",
+                     h.tensor, t->second.name, t->second.elements, id_, im.name,
+                     im.tensor_elements);
+      }
+    }
+    if (auto it = slices_.find(MakeSliceKey(h.tensor, h.slice)); it != slices_.end()) {
+      if (it->second->elements * sizeof(float) != h.payload_len) {
+        return Error(StatusCode::kInvalidArgument,
+                     "tensor '{}' slice {} holds {} elements here, not {}: is the slice size the "
+                     "same on every worker?",
+                     im.name, h.slice, it->second->elements, h.payload_len / sizeof(float));
+      }
+      *exists = true;
+    }
+    return Status::Ok();
+  }
+
+  void HandleHello(PeerId peer, PeerState* ps, const FrameHeader& h,
+                   std::span<const std::byte> meta) {
+    auto hello = DecodeHello(meta);
+    if (!hello.ok()) {
+      Refuse(peer, h, hello.status(), true);
+      return;
+    }
+    if (!TokenMatches(cfg_.token, hello->token)) {
+      Refuse(peer, h,
+             Error(StatusCode::kPermissionDenied,
+                   "wrong cluster token; set DSYNC_TOKEN (or --token) to the job's token"),
+             true);
+      return;
+    }
+    if (hello->role != Role::kWorker || hello->node < kFirstWorkerId) {
+      Refuse(peer, h, Error(StatusCode::kPermissionDenied, "only workers connect to servers"),
+             true);
+      return;
+    }
+    Status gone = CheckNotGone(hello->node, 0);
+    if (!gone.ok()) {
+      Refuse(peer, h, gone, true);
+      return;
+    }
+    ps->worker = hello->node;
+    FrameHeader ack = MakeHeader(MsgType::kHelloAck, id_);
+    ack.request = h.request;
+    (void)SendControl(*transport_, peer, ack);
+  }
+
+  void HandleInit(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
+                  void* payload, bool exists) {
+    InitMeta im;
+    (void)DecodeInit(meta, im);  // validated in OnHeader
+    SliceState* slice = nullptr;
+    if (!exists) {
+      const uint64_t n = h.payload_len / sizeof(float);
+      std::unique_lock lock(slices_mu_);
+      const SliceKey key = MakeSliceKey(h.tensor, h.slice);
+      if (!slices_.contains(key)) {  // else another worker's init won the race
+        Status st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
+        if (!st.ok()) {
+          lock.unlock();
+          pool_.Release(payload, h.payload_len);
+          Refuse(peer, h, st, false);
+          return;
+        }
+        auto s = std::make_unique<SliceState>();
+        s->key = key;
+        s->tensor = h.tensor;
+        s->index = h.slice;
+        s->elements = n;
+        s->version = stats_.rounds_applied;  // it exists from the current model version on
+        slice_list_.push_back(s.get());
+        slices_.emplace(key, std::move(s));
+        tensors_.try_emplace(h.tensor, TensorMeta{im.name, im.tensor_elements});
+      }
+      lock.unlock();
+      pool_.Release(payload, h.payload_len);
+    }
+    slice = FindSlice(h.tensor, h.slice);
+    FrameHeader ack = MakeHeader(MsgType::kInitAck, id_);
+    ack.request = h.request;
+    ack.tensor = h.tensor;
+    ack.slice = h.slice;
+    {
+      std::lock_guard lock(slice->mu);
+      ack.aux = slice->version;
+    }
+    (void)SendControl(*transport_, peer, ack);
+  }
+
+  void StagePush(PeerId peer, WorkerId worker, const FrameHeader& h, void* payload) {
+    SliceState* s = FindSlice(h.tensor, h.slice);
+    Status error;
+    {
+      std::lock_guard lock(s->mu);
+      error = CheckNotGone(worker, h.round);
+      for (const Staged& st : s->staged) {
+        if (error.ok() && st.worker == worker && st.clock == h.round) {
+          error = Error(StatusCode::kAlreadyExists,
+                        "worker {} pushed tensor {} slice {} twice for clock {}", worker,
+                        h.tensor, h.slice, h.round);
+        }
+      }
+      if (error.ok()) s->staged.push_back({worker, h.round, static_cast<float*>(payload)});
+    }
+    if (!error.ok()) {
+      pool_.Release(payload, h.payload_len);
+      Refuse(peer, h, error, false);
+      return;
+    }
+    ++stats_.pushes_received;
+    FrameHeader ack = MakeHeader(MsgType::kPushAck, id_);
+    ack.request = h.request;
+    ack.tensor = h.tensor;
+    ack.slice = h.slice;
+    ack.round = h.round;
+    (void)SendControl(*transport_, peer, ack);
+  }
+
+  void HandlePull(PeerId peer, const FrameHeader& h) {
+    SliceState* s = nullptr;
+    Status st = CheckData(h, &s);
+    if (!st.ok()) {
+      Refuse(peer, h, st, false);
+      return;
+    }
+    std::lock_guard lock(s->mu);
+    if (s->version >= h.aux) {
+      ReplyPull(*s, peer, h.request);
+    } else {
+      s->waiting.push_back({peer, h.request, h.aux});
+    }
+  }
+
+  // Snapshot the slice into a pooled buffer (the apply thread may update the slice while the
+  // reply is on the wire) and send it; the buffer returns to the pool when sent.
+  void ReplyPull(SliceState& s, PeerId peer, uint64_t request) {
+    const size_t bytes = s.elements * sizeof(float);
+    void* buf = pool_.Acquire(bytes);
+    if (!buf) return;
+    Status st = store_->Read(s.key, {static_cast<float*>(buf), s.elements});
+    FrameHeader h = MakeHeader(MsgType::kPullReply, id_);
+    h.request = request;
+    h.tensor = s.tensor;
+    h.slice = s.index;
+    h.aux = s.version;
+    h.dtype = static_cast<uint8_t>(DType::kFloat32);
+    if (st.ok()) {
+      st = transport_->Send(peer, h, {}, buf, bytes,
+                            [this, buf, bytes](const Status&) { pool_.Release(buf, bytes); });
+    }
+    if (!st.ok()) {
+      pool_.Release(buf, bytes);
+      return;
+    }
+    ++stats_.pulls_answered;
+  }
+
+  void HandleScheduler(const FrameHeader& h, std::span<const std::byte> meta) {
+    switch (h.msg_type()) {
+      case MsgType::kHelloAck: {
+        auto w = DecodeWelcome(meta);
+        std::lock_guard lock(mu_);
+        if (!w.ok()) {
+          result_ = w.status().WithContext("scheduler's answer");
+        } else {
+          job_ = std::move(w).value();
+          id_ = job_.id;
+          welcomed_ = true;
+        }
+        cv_.notify_all();
+        return;
+      }
+      case MsgType::kError: {
+        std::lock_guard lock(mu_);
+        result_ = ErrorFromFrame(h, meta).WithContext("the scheduler refused this server");
+        cv_.notify_all();
+        return;
+      }
+      case MsgType::kRound: {
+        PendingRound r{h.round, {}};
+        Status st = DecodeMembers(meta, r.members);
+        std::lock_guard lock(mu_);
+        if (!st.ok()) {
+          result_ = st.WithContext("round from the scheduler");
+        } else {
+          rounds_.push_back(std::move(r));
+        }
+        cv_.notify_all();
+        return;
+      }
+      case MsgType::kWorkerGone:
+        DiscardUncommitted(h.tensor, h.round);
+        return;
+      case MsgType::kShutdown: {
+        std::lock_guard lock(mu_);
+        shutdown_ = true;
+        cv_.notify_all();
+        return;
+      }
+      default:
+        spdlog::warn("server {}: ignoring {} from the scheduler", id_, MsgTypeName(h.msg_type()));
+    }
+  }
+
+  // The worker is gone: what it pushed for clocks >= next_clock was never committed.
+  void DiscardUncommitted(WorkerId w, Clock next_clock) {
+    {
+      std::lock_guard lock(gone_mu_);
+      gone_[w] = next_clock;
+    }
+    std::shared_lock lock(slices_mu_);
+    size_t dropped = 0;
+    for (SliceState* s : slice_list_) {
+      std::lock_guard slock(s->mu);
+      std::erase_if(s->staged, [&](const Staged& st) {
+        if (st.worker != w || st.clock < next_clock) return false;
+        pool_.Release(st.data, s->elements * sizeof(float));
+        ++dropped;
+        return true;
+      });
+    }
+    if (dropped) {
+      spdlog::info("server {}: discarded {} uncommitted slice(s) of worker {}", id_, dropped, w);
+    }
+  }
+
+  void ApplyLoop() {
+    std::vector<const float*> grads;
+    std::vector<size_t> used;
+    while (true) {
+      PendingRound r;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !rounds_.empty(); });
+        if (stop_) return;
+        r = std::move(rounds_.front());
+        rounds_.pop_front();
+      }
+      if (r.round != stats_.rounds_applied) {
+        std::lock_guard lock(mu_);
+        result_ = Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
+                        r.round, stats_.rounds_applied.load());
+        cv_.notify_all();
+        return;
+      }
+      ApplyRound(r, grads, used);
+      ++stats_.rounds_applied;
+      stats_.gradients_applied += r.members.size();
+      FrameHeader done = MakeHeader(MsgType::kApplied, id_);
+      done.round = r.round;
+      (void)SendControl(*transport_, scheduler_, done);
+    }
+  }
+
+  void ApplyRound(const PendingRound& r, std::vector<const float*>& grads,
+                  std::vector<size_t>& used) {
+    std::shared_lock lock(slices_mu_);
+    for (SliceState* s : slice_list_) {
+      std::lock_guard slock(s->mu);
+      grads.clear();
+      used.clear();
+      for (const RoundMember& m : r.members) {  // worker-id order: deterministic sums
+        for (size_t i = 0; i < s->staged.size(); ++i) {
+          if (s->staged[i].worker == m.worker && s->staged[i].clock == m.clock) {
+            grads.push_back(s->staged[i].data);
+            used.push_back(i);
+            break;
+          }
+        }
+      }
+      Status st = store_->ApplyRound(s->key, grads, job_.optimizer);
+      if (!st.ok()) spdlog::error("server {}: applying round {}: {}", id_, r.round, st.message());
+      std::sort(used.begin(), used.end());
+      for (size_t k = used.size(); k-- > 0;) {
+        pool_.Release(s->staged[used[k]].data, s->elements * sizeof(float));
+        s->staged.erase(s->staged.begin() + static_cast<std::ptrdiff_t>(used[k]));
+      }
+      s->version = r.round + 1;
+      std::erase_if(s->waiting, [&](const WaitingPull& p) {
+        if (p.min_version > s->version) return false;
+        ReplyPull(*s, p.peer, p.request);
+        return true;
+      });
+    }
+  }
+
+  void ReleaseAllStaged() {
+    std::shared_lock lock(slices_mu_);
+    for (SliceState* s : slice_list_) {
+      for (const Staged& st : s->staged) pool_.Release(st.data, s->elements * sizeof(float));
+      s->staged.clear();
+    }
+  }
+
+  Config cfg_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<ParamStore> store_;
+  BufferPool pool_;
+  PeerId scheduler_ = kNoPeer;
+  uint16_t port_ = 0;
+  NodeId id_ = 0;
+  Welcome job_;
+
+  std::mutex mu_;  // lifecycle, rounds_
+  std::condition_variable cv_;
+  bool welcomed_ = false;
+  bool shutdown_ = false;
+  bool stop_ = false;
+  Status result_;
+  std::deque<PendingRound> rounds_;
+  std::thread apply_thread_;
+
+  std::mutex peers_mu_;
+  std::unordered_map<PeerId, std::unique_ptr<PeerState>> peers_;
+
+  mutable std::shared_mutex slices_mu_;  // the maps below; exclusive only to add a slice
+  std::unordered_map<SliceKey, std::unique_ptr<SliceState>> slices_;
+  std::vector<SliceState*> slice_list_;
+  std::map<uint32_t, TensorMeta> tensors_;
+
+  std::mutex gone_mu_;
+  std::unordered_map<WorkerId, Clock> gone_;
+
+  struct Counters {
+    std::atomic<uint64_t> rounds_applied{0};
+    std::atomic<uint64_t> gradients_applied{0};
+    std::atomic<uint64_t> pushes_received{0};
+    std::atomic<uint64_t> pulls_answered{0};
+    std::atomic<uint64_t> requests_refused{0};
+    std::atomic<uint64_t> connections_dropped{0};
+  } stats_;
+};
+
+}  // namespace
+}  // namespace ps
+
+Result<std::unique_ptr<Server>> Server::Start(const Config& config) {
+  DSYNC_RETURN_IF_ERROR(config.Validate());
+  DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
+  DSYNC_ASSIGN_OR_RETURN(auto store, ps::MakeParamStore(config));
+  auto node = std::make_unique<ps::ServerNode>(config, std::move(transport), std::move(store));
+  DSYNC_RETURN_IF_ERROR(node->Init());
+  return std::unique_ptr<Server>(std::move(node));
+}
+
+}  // namespace dsync

@@ -1,0 +1,35 @@
+#include "ps/slicing.h"
+
+#include <algorithm>
+
+namespace dsync::ps {
+
+SlicePlanner::SlicePlanner(uint64_t slice_bytes, uint32_t elem_size, uint32_t num_servers)
+    : slice_elements_(std::max<uint64_t>(1, slice_bytes / std::max<uint32_t>(1, elem_size))),
+      num_servers_(std::max<uint32_t>(1, num_servers)) {}
+
+Result<TensorLayout> SlicePlanner::Plan(TensorId tensor, uint64_t elements) {
+  if (elements == 0) {
+    return Error(StatusCode::kInvalidArgument, "tensor {} has no elements", tensor);
+  }
+  const uint64_t count = (elements + slice_elements_ - 1) / slice_elements_;
+  if (count > UINT32_MAX) {
+    return Error(StatusCode::kOutOfRange, "tensor {} needs {} slices; raise the slice size",
+                 tensor, count);
+  }
+  TensorLayout layout;
+  layout.tensor = tensor;
+  layout.elements = elements;
+  layout.slices.reserve(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    SliceRef s;
+    s.index = static_cast<uint32_t>(i);
+    s.offset = i * slice_elements_;
+    s.elements = std::min(slice_elements_, elements - s.offset);
+    s.server = static_cast<uint32_t>(next_slot_++ % num_servers_);
+    layout.slices.push_back(s);
+  }
+  return layout;
+}
+
+}  // namespace dsync::ps

@@ -1,0 +1,76 @@
+// The Transport seam (DESIGN.md §3): everything src/ps knows about moving bytes. The TCP
+// transport (src/tcp) and the RDMA transport (src/rdma, issue 5) implement it.
+//
+// Receiving is two-phase so payloads land where they belong without an intermediate copy:
+// the transport reads a frame's header and metadata, asks the handler where the payload
+// goes (OnHeader), reads the payload straight into that buffer, then hands over the whole
+// frame (OnFrame).
+//
+// Threading contract: callbacks for one peer never run concurrently and arrive in frame
+// order; callbacks for different peers may run concurrently. A handler may call Send() and
+// Close() from any callback.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+#include "dsync/status.h"
+#include "ps/protocol.h"
+
+namespace dsync::ps {
+
+using PeerId = uint64_t;  // a connection, unique for the transport's lifetime
+constexpr PeerId kNoPeer = 0;
+
+// Called exactly once when a send accepted by Send() has left the payload buffer (OK) or
+// can no longer be delivered (peer gone, shutdown). Runs on a transport thread.
+using SendDone = std::function<void(const Status&)>;
+
+class TransportHandler {
+ public:
+  virtual ~TransportHandler() = default;
+
+  virtual void OnConnected(PeerId /*peer*/, bool /*inbound*/) {}
+  // Returns where the header.payload_len payload bytes go, or nullptr to discard them.
+  virtual void* OnHeader(PeerId peer, const FrameHeader& header,
+                         std::span<const std::byte> meta) = 0;
+  // The whole frame arrived. `payload` is what OnHeader returned.
+  virtual void OnFrame(PeerId peer, const FrameHeader& header, std::span<const std::byte> meta,
+                       void* payload) = 0;
+  // A payload buffer handed out by OnHeader will never be filled (the link broke mid-frame).
+  virtual void OnPayloadLost(PeerId /*peer*/, const FrameHeader& /*header*/, void* /*payload*/) {}
+  // The connection is gone, once per peer; no callbacks for it follow.
+  virtual void OnDisconnected(PeerId peer, const Status& why) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string_view name() const = 0;
+
+  // The handler must outlive the transport's Shutdown().
+  virtual void SetHandler(TransportHandler* handler) = 0;
+
+  // Starts accepting on host:port (port 0 picks a free port); returns the bound port.
+  virtual Result<uint16_t> Listen(const std::string& host, uint16_t port) = 0;
+  // Connects, retrying a refused connection until timeout_ms has passed.
+  virtual Result<PeerId> Connect(const std::string& host, uint16_t port, uint32_t timeout_ms) = 0;
+
+  // Queues a frame. header.meta_len and header.payload_len are set from the arguments. The
+  // metadata is copied; the payload is not and must stay valid until `done` runs. On a
+  // non-OK return nothing was queued and `done` is not called.
+  virtual Status Send(PeerId peer, FrameHeader header, std::span<const std::byte> meta,
+                      const void* payload, uint64_t payload_len, SendDone done = {}) = 0;
+
+  // Drops a connection; OnDisconnected follows (from a transport thread).
+  virtual void Close(PeerId peer) = 0;
+  // Stops listening and drops every connection; no callback runs after it returns.
+  virtual void Shutdown() = 0;
+
+  // "host:port" of the peer, for messages.
+  virtual std::string PeerAddress(PeerId peer) const = 0;
+};
+
+}  // namespace dsync::ps

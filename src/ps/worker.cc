@@ -1,0 +1,731 @@
+// The worker library. Operations are records in a reused table; each slice request carries
+// the record's index and generation as its request id, so replies find their destination
+// (a pull reply is read straight into the caller's tensor) without a lookup structure that
+// allocates. One mutex guards the state; the transport never blocks in Send, so frames are
+// sent under it.
+#include "dsync/worker.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "ps/backends.h"
+#include "ps/handshake.h"
+#include "ps/slicing.h"
+
+namespace dsync {
+namespace ps {
+namespace {
+
+constexpr uint32_t kNoOp = std::numeric_limits<uint32_t>::max();
+constexpr Clock kNever = std::numeric_limits<Clock>::max();
+
+class WorkerNode final : public Worker, public TransportHandler {
+ public:
+  WorkerNode(const Config& config, std::unique_ptr<Transport> transport)
+      : cfg_(config), transport_(std::move(transport)) {
+    ops_.reserve(64);
+  }
+
+  ~WorkerNode() override { Abandon(); }
+
+  Status Init() {
+    transport_->SetHandler(this);
+    DSYNC_ASSIGN_OR_RETURN(PeerId sched, transport_->Connect(cfg_.scheduler_host,
+                                                             cfg_.scheduler_port,
+                                                             cfg_.connect_timeout_ms));
+    scheduler_ = sched;
+    Hello hello;
+    hello.role = Role::kWorker;
+    hello.token = cfg_.token;
+    DSYNC_ASSIGN_OR_RETURN(std::string welcome_meta, Handshake(sched, hello, "the scheduler"));
+    DSYNC_ASSIGN_OR_RETURN(Welcome w, DecodeWelcome(AsBytes(welcome_meta)));
+    job_.worker_id = w.id;
+    job_.sync = w.sync;
+    job_.optimizer = w.optimizer;
+    job_.slice_bytes = w.slice_bytes;
+    job_.num_servers = static_cast<uint32_t>(w.servers.size());
+    job_.join_round = w.join_round;
+    job_.start_clock = w.start_clock;
+    if (w.servers.empty()) return Error(StatusCode::kProtocol, "the job has no servers");
+    planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
+    clock_ = w.start_clock;
+    gate_clock_ = w.start_clock;
+    gate_ = w.gate;
+    hello.node = w.id;
+    for (const ServerAddress& s : w.servers) {
+      DSYNC_ASSIGN_OR_RETURN(PeerId peer,
+                             transport_->Connect(s.host, s.port, cfg_.connect_timeout_ms));
+      {
+        std::lock_guard lock(mu_);
+        servers_.push_back(peer);
+        server_ids_[peer] = s.id;
+      }
+      DSYNC_ASSIGN_OR_RETURN(std::string ignored,
+                             Handshake(peer, hello, fmt::format("server {}", s.id)));
+    }
+    heartbeat_ = std::thread([this, interval = w.heartbeat_interval_ms] { Heartbeat(interval); });
+    spdlog::info("worker {} joined (sync {}, {} server(s), counts from round {}, clock {})",
+                 job_.worker_id, job_.sync.ToString(), job_.num_servers, job_.join_round,
+                 clock_);
+    return Status::Ok();
+  }
+
+  const JobInfo& job() const override { return job_; }
+
+  Result<TensorId> Register(std::string_view name, std::span<const float> init) override {
+    std::unique_lock lock(mu_);
+    DSYNC_RETURN_IF_ERROR(broken_);
+    if (clock_ != job_.start_clock || !clocks_.empty()) {
+      return Error(StatusCode::kFailedPrecondition,
+                   "register tensor '{}' before the first push (every worker registers the same "
+                   "tensors, in the same order, before training)",
+                   name);
+    }
+    const auto id = static_cast<TensorId>(tensors_.size());
+    DSYNC_ASSIGN_OR_RETURN(TensorLayout layout, planner_->Plan(id, init.size()));
+    Tensor t;
+    t.name = std::string(name);
+    t.layout = std::move(layout);
+    t.slice_version.assign(t.layout.slices.size(), 0);
+    tensors_.push_back(std::move(t));
+    const Tensor& tensor = tensors_.back();
+
+    const uint32_t op = NewOp(OpKind::kInit, id);
+    ops_[op].outstanding = static_cast<uint32_t>(tensor.layout.slices.size());
+    ops_[op].version = std::numeric_limits<Version>::max();
+    std::vector<std::byte> meta;
+    for (const SliceRef& s : tensor.layout.slices) {
+      EncodeInit({tensor.name, init.size(), s.offset}, meta);
+      FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
+      Status st = transport_->Send(servers_[s.server], h, meta, init.data() + s.offset,
+                                   s.elements * sizeof(float));
+      if (!st.ok()) {
+        FailOp(op, st);
+        break;
+      }
+    }
+    Status st = WaitLocked(lock, op, nullptr);
+    if (!st.ok()) {
+      tensors_.pop_back();
+      return st.WithContext(fmt::format("register tensor '{}'", name));
+    }
+    RecomputeBase();
+    return id;
+  }
+
+  Handle Push(TensorId tensor, const float* grad) override {
+    std::lock_guard lock(mu_);
+    return PushLocked(tensor, grad, /*detached=*/false);
+  }
+
+  Handle Pull(TensorId tensor, float* out) override {
+    std::lock_guard lock(mu_);
+    return PullLocked(tensor, out, clock_);
+  }
+
+  Handle PushPull(TensorId tensor, const float* grad, float* out) override {
+    std::lock_guard lock(mu_);
+    const Clock push_clock = clock_;
+    if (Status st = CheckPush(tensor); !st.ok()) {
+      const uint32_t op = NewOp(OpKind::kPull, tensor);
+      FailOp(op, st);
+      return HandleOf(op);
+    }
+    PushLocked(tensor, grad, /*detached=*/true);
+    // The pull belongs to the next clock: it is gated on this clock's commit.
+    return PullLocked(tensor, out, push_clock + 1);
+  }
+
+  Handle Advance() override {
+    std::lock_guard lock(mu_);
+    const uint32_t op = NewOp(OpKind::kAdvance, 0);
+    if (!broken_.ok()) {
+      FailOp(op, broken_);
+      return HandleOf(op);
+    }
+    ClockState& cs = CurrentClockState();
+    cs.advance_op = op;
+    ops_[op].clock = clock_;
+    CompleteClock();
+    return HandleOf(op);
+  }
+
+  Status Wait(Handle handle, Version* version) override {
+    std::unique_lock lock(mu_);
+    const uint32_t op = OpOf(handle);
+    if (op == kNoOp) return Error(StatusCode::kInvalidArgument, "unknown handle {}", handle);
+    return WaitLocked(lock, op, version);
+  }
+
+  Status WaitAll() override {
+    std::unique_lock lock(mu_);
+    Status first;
+    for (uint32_t i = 0; i < ops_.size(); ++i) {
+      if (!ops_[i].in_use || ops_[i].detached) continue;
+      Status st = WaitLocked(lock, i, nullptr);
+      if (first.ok()) first = st;
+    }
+    return first;
+  }
+
+  Clock clock() const override {
+    std::lock_guard lock(mu_);
+    return clock_;
+  }
+
+  Version base_version() const override {
+    std::lock_guard lock(mu_);
+    return base_;
+  }
+
+  Status Leave() override {
+    std::unique_lock lock(mu_);
+    if (left_) return Status::Ok();
+    if (pushed_count_ > 0) {  // commit what was pushed: a pushed gradient is never lost
+      ClockState& cs = CurrentClockState();
+      (void)cs;
+      CompleteClock();
+    }
+    cv_.wait(lock, [&] { return clocks_.empty() || !broken_.ok(); });
+    DSYNC_RETURN_IF_ERROR(broken_);
+    leaving_ = true;
+    DSYNC_RETURN_IF_ERROR(SendControl(*transport_, scheduler_,
+                                      MakeHeader(MsgType::kLeave, job_.worker_id)));
+    cv_.wait(lock, [&] { return left_ || !broken_.ok(); });
+    Status result = left_ ? Status::Ok() : broken_;
+    lock.unlock();
+    StopThreads();
+    spdlog::info("worker {} left the job", job_.worker_id);
+    return result;
+  }
+
+  void Abandon() override {
+    {
+      std::lock_guard lock(mu_);
+      leaving_ = true;
+    }
+    StopThreads();
+  }
+
+  // --- TransportHandler ---------------------------------------------------------------
+
+  void* OnHeader(PeerId, const FrameHeader& h, std::span<const std::byte>) override {
+    if (h.msg_type() != MsgType::kPullReply) return nullptr;
+    std::lock_guard lock(mu_);
+    const uint32_t op = OpOf(h.request);
+    if (op == kNoOp || ops_[op].kind != OpKind::kPull || ops_[op].tensor != h.tensor) {
+      return nullptr;
+    }
+    const auto& slices = tensors_[h.tensor].layout.slices;
+    if (h.slice >= slices.size() || h.payload_len != slices[h.slice].elements * sizeof(float)) {
+      return nullptr;
+    }
+    ++ops_[op].receiving;  // Wait() must not return while the transport writes here
+    return ops_[op].out + slices[h.slice].offset;  // straight into the caller's tensor
+  }
+
+  void OnPayloadLost(PeerId, const FrameHeader& h, void*) override {
+    std::lock_guard lock(mu_);
+    const uint32_t op = OpOf(h.request);
+    if (op != kNoOp && ops_[op].receiving > 0) --ops_[op].receiving;
+    cv_.notify_all();
+  }
+
+  void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
+               void* payload) override {
+    std::lock_guard lock(mu_);
+    switch (h.msg_type()) {
+      case MsgType::kHelloAck:
+        handshake_reply_ = std::string(AsText(meta));
+        handshake_done_ = true;
+        break;
+      case MsgType::kError:
+        OnError(peer, h, meta);
+        break;
+      case MsgType::kInitAck:
+      case MsgType::kPushAck:
+        OnSliceAck(h);
+        break;
+      case MsgType::kPullReply:
+        OnPullReply(h, payload);
+        break;
+      case MsgType::kCommitAck:
+        OnCommitAck(h);
+        break;
+      case MsgType::kGate:
+        OpenGate(h.round, h.aux);
+        break;
+      case MsgType::kLeaveAck:
+        left_ = true;
+        break;
+      default:
+        spdlog::warn("worker {}: unexpected {} frame", job_.worker_id, MsgTypeName(h.msg_type()));
+    }
+    cv_.notify_all();
+  }
+
+  void OnDisconnected(PeerId peer, const Status& why) override {
+    std::lock_guard lock(mu_);
+    if (leaving_ && peer == scheduler_) {
+      // Every commit was acknowledged before the leave was sent: nothing is lost if the
+      // acknowledgement of the leave itself did not make it (the job may have just ended).
+      left_ = true;
+      cv_.notify_all();
+      return;
+    }
+    if (leaving_ || left_) return;
+    const std::string who = peer == scheduler_ ? std::string("the scheduler")
+                                               : fmt::format("server {}", server_ids_[peer]);
+    Break(Error(StatusCode::kUnavailable, "lost the connection to {}: {}", who, why.message()));
+  }
+
+ private:
+  enum class OpKind : uint8_t { kInit, kPush, kPull, kAdvance };
+  struct Op {
+    OpKind kind = OpKind::kPull;
+    bool in_use = false;
+    bool done = false;
+    bool detached = false;  // nobody waits: free on completion
+    bool sent = false;      // pulls: requests are out
+    uint32_t gen = 0;
+    uint32_t outstanding = 0;
+    uint32_t receiving = 0; // pull payloads being written into `out` right now
+    TensorId tensor = 0;
+    Clock clock = 0;
+    float* out = nullptr;
+    Version version = 0;    // pulls: lowest slice version read
+    Status status;
+  };
+  struct Tensor {
+    std::string name;
+    TensorLayout layout;
+    std::vector<Version> slice_version;  // newest version read per slice
+    Version version = 0;                 // lowest of them
+    Clock pushed_clock = kNever;
+    Clock pulled_clock = kNever;
+  };
+  // A clock whose gradient is being pushed or committed.
+  struct ClockState {
+    Clock clock = 0;
+    Version base = 0;
+    uint32_t acks_outstanding = 0;
+    uint32_t pushes = 0;       // tensors pushed (0: an empty commit)
+    bool complete = false;     // every tensor pushed, or Advance()
+    bool commit_sent = false;
+    uint32_t advance_op = kNoOp;
+  };
+
+  Result<std::string> Handshake(PeerId peer, const Hello& hello, const std::string& who) {
+    std::unique_lock lock(mu_);
+    handshake_done_ = false;
+    handshake_reply_.clear();
+    DSYNC_RETURN_IF_ERROR(transport_->Send(peer, MakeHeader(MsgType::kHello, hello.node),
+                                           AsBytes(EncodeHello(hello)), nullptr, 0));
+    // The scheduler holds the first workers until all of them (and every server) are up.
+    cv_.wait(lock, [&] { return handshake_done_ || !broken_.ok(); });
+    if (!broken_.ok()) return broken_.WithContext(fmt::format("joining via {}", who));
+    return handshake_reply_;
+  }
+
+  // --- operations ---------------------------------------------------------------------
+
+  uint32_t NewOp(OpKind kind, TensorId tensor) {
+    uint32_t i;
+    if (!free_ops_.empty()) {
+      i = free_ops_.back();
+      free_ops_.pop_back();
+    } else {
+      i = static_cast<uint32_t>(ops_.size());
+      ops_.emplace_back();
+    }
+    Op& op = ops_[i];
+    const uint32_t gen = op.gen + 1;
+    op = Op{};
+    op.gen = gen;
+    op.kind = kind;
+    op.in_use = true;
+    op.tensor = tensor;
+    return i;
+  }
+
+  Handle HandleOf(uint32_t op) const { return (static_cast<uint64_t>(ops_[op].gen) << 32) | op; }
+
+  uint32_t OpOf(uint64_t handle) const {
+    const auto i = static_cast<uint32_t>(handle & 0xffffffffu);
+    const auto gen = static_cast<uint32_t>(handle >> 32);
+    if (i >= ops_.size() || !ops_[i].in_use || ops_[i].gen != gen) return kNoOp;
+    return i;
+  }
+
+  void FreeOp(uint32_t op) {
+    ops_[op].in_use = false;
+    ops_[op].out = nullptr;
+    free_ops_.push_back(op);
+  }
+
+  void FinishOp(uint32_t op, const Status& st) {
+    Op& o = ops_[op];
+    if (o.done) return;
+    o.done = true;
+    o.status = st;
+    if (o.detached) FreeOp(op);
+    cv_.notify_all();
+  }
+
+  void FailOp(uint32_t op, const Status& st) { FinishOp(op, st); }
+
+  Status WaitLocked(std::unique_lock<std::mutex>& lock, uint32_t op, Version* version) {
+    const Op& o = ops_[op];
+    if (!o.done && o.kind == OpKind::kPush && o.clock == clock_) {
+      return Error(StatusCode::kFailedPrecondition,
+                   "the push of tensor {} completes when clock {} is committed: push every "
+                   "registered tensor (or call Advance()) before waiting for it",
+                   o.tensor, o.clock);
+    }
+    const uint32_t gen = o.gen;
+    cv_.wait(lock, [&] {
+      return ops_[op].gen != gen || (ops_[op].done && ops_[op].receiving == 0);
+    });
+    Status st = ops_[op].status;
+    if (version) *version = ops_[op].version;
+    FreeOp(op);
+    return st;
+  }
+
+  FrameHeader SliceHeader(MsgType type, uint32_t op, TensorId tensor, const SliceRef& s) const {
+    FrameHeader h = MakeHeader(type, job_.worker_id);
+    h.request = HandleOf(op);
+    h.tensor = tensor;
+    h.slice = s.index;
+    h.dtype = static_cast<uint8_t>(DType::kFloat32);
+    return h;
+  }
+
+  Status CheckTensor(TensorId tensor) const {
+    DSYNC_RETURN_IF_ERROR(broken_);
+    if (tensor >= tensors_.size()) {
+      return Error(StatusCode::kNotFound, "tensor {} is not registered ({} tensors are)", tensor,
+                   tensors_.size());
+    }
+    return Status::Ok();
+  }
+
+  Status CheckPush(TensorId tensor) const {
+    DSYNC_RETURN_IF_ERROR(CheckTensor(tensor));
+    if (tensors_[tensor].pushed_clock == clock_) {
+      return Error(StatusCode::kFailedPrecondition,
+                   "tensor {} ('{}') was already pushed in clock {}", tensor,
+                   tensors_[tensor].name, clock_);
+    }
+    return Status::Ok();
+  }
+
+  Handle PushLocked(TensorId tensor, const float* grad, bool detached) {
+    const uint32_t op = NewOp(OpKind::kPush, tensor);
+    ops_[op].clock = clock_;
+    Status st = CheckPush(tensor);
+    if (!st.ok()) {
+      FailOp(op, st);
+      return HandleOf(op);
+    }
+    ops_[op].detached = detached;
+    Tensor& t = tensors_[tensor];
+    ClockState& cs = CurrentClockState();
+    ops_[op].outstanding = static_cast<uint32_t>(t.layout.slices.size());
+    cs.acks_outstanding += ops_[op].outstanding;
+    ++cs.pushes;
+    for (const SliceRef& s : t.layout.slices) {
+      FrameHeader h = SliceHeader(MsgType::kPush, op, tensor, s);
+      h.round = clock_;
+      h.aux = cs.base;
+      st = transport_->Send(servers_[s.server], h, {}, grad + s.offset,
+                            s.elements * sizeof(float));
+      if (!st.ok()) {
+        Break(st.WithContext(fmt::format("push tensor {}", tensor)));
+        return HandleOf(op);
+      }
+    }
+    t.pushed_clock = clock_;
+    if (++pushed_count_ == tensors_.size()) CompleteClock();
+    return HandleOf(op);
+  }
+
+  Handle PullLocked(TensorId tensor, float* out, Clock clock) {
+    const uint32_t op = NewOp(OpKind::kPull, tensor);
+    Op& o = ops_[op];
+    o.clock = clock;
+    o.out = out;
+    o.version = std::numeric_limits<Version>::max();
+    Status st = CheckTensor(tensor);
+    if (!st.ok()) {
+      FailOp(op, st);
+      return HandleOf(op);
+    }
+    o.outstanding = static_cast<uint32_t>(tensors_[tensor].layout.slices.size());
+    if (gate_clock_ >= clock) {
+      SendPulls(op);
+    } else {
+      deferred_pulls_.push_back(op);  // waits for the gate of its clock
+    }
+    return HandleOf(op);
+  }
+
+  void SendPulls(uint32_t op) {
+    Op& o = ops_[op];
+    o.sent = true;
+    for (const SliceRef& s : tensors_[o.tensor].layout.slices) {
+      FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
+      h.aux = gate_;  // the server answers once the slice has at least this version
+      Status st = SendControl(*transport_, servers_[s.server], h);
+      if (!st.ok()) {
+        Break(st.WithContext(fmt::format("pull tensor {}", o.tensor)));
+        return;
+      }
+    }
+  }
+
+  ClockState& CurrentClockState() {
+    if (clocks_.empty() || clocks_.back().clock != clock_) {
+      ClockState cs;
+      cs.clock = clock_;
+      cs.base = base_;  // what the gradient was computed on: the pulls done before pushing
+      clocks_.push_back(cs);
+    }
+    return clocks_.back();
+  }
+
+  // The current clock's gradient is whole: advance, and commit once the servers have it.
+  void CompleteClock() {
+    CurrentClockState().complete = true;
+    ++clock_;
+    pushed_count_ = 0;
+    pulled_count_ = 0;
+    TryCommit();
+  }
+
+  // Commits go out one at a time, in clock order, each once all its slices are acknowledged.
+  void TryCommit() {
+    if (clocks_.empty() || !broken_.ok()) return;
+    ClockState& cs = clocks_.front();
+    if (cs.commit_sent || !cs.complete || cs.acks_outstanding > 0) return;
+    if (cs.pushes > 0 && gate_clock_ >= cs.clock && cs.base < gate_) {
+      Break(Error(StatusCode::kFailedPrecondition,
+                  "the gradient of clock {} was computed on version {}, but the delay bound "
+                  "needs version >= {}: pull every tensor after the previous push completes",
+                  cs.clock, cs.base, gate_));
+      return;
+    }
+    FrameHeader h = MakeHeader(MsgType::kCommit, job_.worker_id);
+    h.round = cs.clock;
+    h.aux = cs.base;
+    h.flags = cs.pushes == 0 ? kFlagEmpty : 0;
+    Status st = SendControl(*transport_, scheduler_, h);
+    if (!st.ok()) {
+      Break(st.WithContext("commit"));
+      return;
+    }
+    cs.commit_sent = true;
+  }
+
+  void OnSliceAck(const FrameHeader& h) {
+    const uint32_t op = OpOf(h.request);
+    if (op == kNoOp) return;
+    Op& o = ops_[op];
+    if (o.kind == OpKind::kInit) {
+      o.version = std::min(o.version, h.aux);
+      if (h.tensor < tensors_.size() && h.slice < tensors_[h.tensor].slice_version.size()) {
+        // The slice's version now; our own init values are that version only if we created it.
+        tensors_[h.tensor].slice_version[h.slice] = 0;
+      }
+      if (--o.outstanding == 0) FinishOp(op, Status::Ok());
+      return;
+    }
+    if (o.kind != OpKind::kPush) return;
+    for (ClockState& cs : clocks_) {
+      if (cs.clock == o.clock && cs.acks_outstanding > 0) --cs.acks_outstanding;
+    }
+    if (o.outstanding > 0) --o.outstanding;
+    // A push completes with its clock's commit (OnCommitAck), not here.
+    TryCommit();
+  }
+
+  void OnCommitAck(const FrameHeader& h) {
+    if (clocks_.empty() || !clocks_.front().commit_sent) {
+      spdlog::warn("worker {}: commit acknowledgement without a commit", job_.worker_id);
+      return;
+    }
+    const ClockState cs = clocks_.front();
+    clocks_.erase(clocks_.begin());
+    ++commits_;
+    last_round_ = h.round;
+    for (uint32_t i = 0; i < ops_.size(); ++i) {
+      Op& o = ops_[i];
+      if (o.in_use && !o.done && o.kind == OpKind::kPush && o.clock == cs.clock) {
+        FinishOp(i, Status::Ok());
+      }
+    }
+    if (cs.advance_op != kNoOp) FinishOp(cs.advance_op, Status::Ok());
+    if (h.aux != kNoGate) OpenGate(cs.clock + 1, h.aux);
+    TryCommit();
+  }
+
+  void OpenGate(Clock clock, Version min_version) {
+    if (clock < gate_clock_) return;
+    gate_clock_ = clock;
+    gate_ = std::max(gate_, min_version);
+    for (size_t i = 0; i < deferred_pulls_.size();) {
+      const uint32_t op = deferred_pulls_[i];
+      if (ops_[op].clock <= gate_clock_) {
+        deferred_pulls_[i] = deferred_pulls_.back();
+        deferred_pulls_.pop_back();
+        if (!ops_[op].done) SendPulls(op);
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  void OnPullReply(const FrameHeader& h, void* payload) {
+    const uint32_t op = OpOf(h.request);
+    if (op == kNoOp || payload == nullptr) return;
+    Op& o = ops_[op];
+    if (o.receiving > 0) --o.receiving;
+    if (o.done) return;  // failed meanwhile (Break); the waiter only needed receiving == 0
+    Tensor& t = tensors_[o.tensor];
+    if (h.aux < t.slice_version[h.slice]) {
+      // Freshness (invariant 3) says this cannot happen; make it loud if it does.
+      spdlog::error("worker {}: tensor {} slice {} went back from version {} to {}",
+                    job_.worker_id, o.tensor, h.slice, t.slice_version[h.slice], h.aux);
+      ++version_regressions_;
+    }
+    t.slice_version[h.slice] = std::max(t.slice_version[h.slice], h.aux);
+    o.version = std::min(o.version, h.aux);
+    if (--o.outstanding > 0) return;
+    t.version = *std::min_element(t.slice_version.begin(), t.slice_version.end());
+    RecomputeBase();
+    if (o.clock == clock_ && t.pulled_clock != clock_) {
+      t.pulled_clock = clock_;
+      // Every tensor pulled: tell the scheduler what this clock's gradient is computed on,
+      // so rounds need not wait for this worker more than the bound requires.
+      if (++pulled_count_ == tensors_.size()) {
+        FrameHeader b = MakeHeader(MsgType::kBegin, job_.worker_id);
+        b.round = clock_;
+        b.aux = base_;
+        (void)SendControl(*transport_, scheduler_, b);
+      }
+    }
+    FinishOp(op, Status::Ok());
+  }
+
+  void OnError(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
+    Status st = ErrorFromFrame(h, meta);
+    const auto about = static_cast<MsgType>(h.round);
+    spdlog::warn("worker {}: {} refused by {}: {}", job_.worker_id, MsgTypeName(about),
+                 peer == scheduler_ ? std::string("the scheduler")
+                                    : fmt::format("server {}", server_ids_[peer]),
+                 st.ToString());
+    if (about == MsgType::kHello) {
+      Break(st);
+      return;
+    }
+    if (about == MsgType::kPush || about == MsgType::kCommit || about == MsgType::kBegin) {
+      // The clock sequence cannot continue past a refused gradient.
+      Break(st);
+      return;
+    }
+    const uint32_t op = OpOf(h.request);
+    if (op != kNoOp) FailOp(op, st);
+  }
+
+  // A failure the worker cannot continue past: every pending operation fails with it.
+  void Break(const Status& st) {
+    if (!broken_.ok()) return;
+    broken_ = st;
+    spdlog::error("worker {}: {}", job_.worker_id, st.message());
+    for (uint32_t i = 0; i < ops_.size(); ++i) {
+      if (ops_[i].in_use && !ops_[i].done) FinishOp(i, st);
+    }
+    deferred_pulls_.clear();
+    clocks_.clear();
+    cv_.notify_all();
+  }
+
+  void RecomputeBase() {
+    Version b = std::numeric_limits<Version>::max();
+    for (const Tensor& t : tensors_) b = std::min(b, t.version);
+    base_ = tensors_.empty() ? 0 : b;
+  }
+
+  void Heartbeat(uint32_t interval_ms) {
+    std::unique_lock lock(mu_);
+    while (!heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(interval_ms),
+                                   [&] { return stop_ || leaving_; })) {
+      (void)SendControl(*transport_, scheduler_, MakeHeader(MsgType::kHeartbeat, job_.worker_id));
+    }
+  }
+
+  void StopThreads() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+      heartbeat_cv_.notify_all();
+    }
+    if (heartbeat_.joinable()) heartbeat_.join();
+    transport_->Shutdown();
+  }
+
+  Config cfg_;
+  std::unique_ptr<Transport> transport_;
+  JobInfo job_;
+  std::optional<SlicePlanner> planner_;
+  std::atomic<PeerId> scheduler_{kNoPeer};
+  std::vector<PeerId> servers_;  // by rank
+  std::unordered_map<PeerId, NodeId> server_ids_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable heartbeat_cv_;  // its own: cv_ wakes on every frame
+  Status broken_;
+  bool handshake_done_ = false;
+  std::string handshake_reply_;
+  bool leaving_ = false;
+  bool left_ = false;
+  bool stop_ = false;
+
+  std::vector<Tensor> tensors_;
+  std::vector<Op> ops_;
+  std::vector<uint32_t> free_ops_;
+  std::vector<uint32_t> deferred_pulls_;
+  std::vector<ClockState> clocks_;  // oldest first; rarely more than two
+  Clock clock_ = 0;
+  Clock gate_clock_ = 0;   // pulls at clocks up to this one may go out...
+  Version gate_ = 0;       // ...asking for at least this version
+  Version base_ = 0;
+  uint32_t pushed_count_ = 0;
+  uint32_t pulled_count_ = 0;
+  uint64_t commits_ = 0;
+  Round last_round_ = 0;
+  uint64_t version_regressions_ = 0;
+  std::thread heartbeat_;
+};
+
+}  // namespace
+}  // namespace ps
+
+Result<std::unique_ptr<Worker>> Worker::Start(const Config& config) {
+  DSYNC_RETURN_IF_ERROR(config.Validate());
+  DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
+  auto node = std::make_unique<ps::WorkerNode>(config, std::move(transport));
+  DSYNC_RETURN_IF_ERROR(node->Init());
+  return std::unique_ptr<Worker>(std::move(node));
+}
+
+}  // namespace dsync

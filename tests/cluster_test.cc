@@ -1,0 +1,296 @@
+// Whole clusters in one process over real TCP on 127.0.0.1: the synchronization contract
+// of DESIGN.md §2 checked end to end (values, versions, round records), and membership
+// changes while training runs.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "cluster_harness.h"
+#include "ps/optimizer.h"
+#include "ps/optimizer_math.h"
+
+namespace dsync::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// --- Invariant 4: BSP equals sequential SGD bit for bit ---------------------------------
+
+TEST(Cluster, BspWithFourWorkersEqualsSequentialSgdBitForBit) {
+  constexpr uint32_t kWorkers = 4, kDim = 37, kBatch = 8, kSteps = 25;
+  Config cfg = TestConfig("bsp", 2, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSgd;
+  cfg.optimizer.lr = 0.05f;
+  cfg.slice_bytes = 64;  // 16 floats: w is cut into 3 slices spread over both servers
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  const LinearData data(kDim, 1024, 7);
+
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), kWorkers);
+  std::vector<std::vector<float>> final_w(kWorkers);
+  std::vector<float> final_b(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    threads.emplace_back([&, rank] {
+      Worker& w = *workers[rank];
+      std::vector<float> params(kDim, 0.0f), grad(kDim);
+      float b = 0.0f, gb = 0.0f;
+      auto tw = w.Register("w", params);
+      auto tb = w.Register("b", {&b, 1});
+      ASSERT_TRUE(tw.ok() && tb.ok());
+      for (uint32_t step = 0; step < kSteps; ++step) {
+        ASSERT_TRUE(w.Wait(w.Pull(*tw, params.data())).ok());
+        ASSERT_TRUE(w.Wait(w.Pull(*tb, &b)).ok());
+        // Minibatch of step `step`, chunk `rank`: the concatenated batch is kWorkers chunks.
+        data.Gradient(params.data(), b, (step * kWorkers + rank) * kBatch, kBatch, grad.data(), &gb);
+        w.Push(*tw, grad.data());
+        w.Push(*tb, &gb);
+        ASSERT_TRUE(w.WaitAll().ok());
+      }
+      ASSERT_TRUE(w.Wait(w.Pull(*tw, params.data())).ok());
+      ASSERT_TRUE(w.Wait(w.Pull(*tb, &b)).ok());
+      final_w[rank] = params;
+      final_b[rank] = b;
+      ASSERT_TRUE(w.Leave().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(cluster.WaitFinished().ok());
+
+  // Sequential SGD over the concatenated minibatches, with the same summation order and
+  // the same optimizer math the server runs.
+  std::vector<float> w(kDim, 0.0f), gw(kDim), sum_w(kDim);
+  float b = 0.0f;
+  for (uint32_t step = 0; step < kSteps; ++step) {
+    float sum_b = 0.0f;
+    for (uint32_t chunk = 0; chunk < kWorkers; ++chunk) {
+      float gb = 0.0f;
+      data.Gradient(w.data(), b, (step * kWorkers + chunk) * kBatch, kBatch, gw.data(), &gb);
+      for (uint32_t j = 0; j < kDim; ++j) sum_w[j] = chunk == 0 ? gw[j] : sum_w[j] + gw[j];
+      sum_b = chunk == 0 ? gb : sum_b + gb;
+    }
+    const auto sc = ps::MakeOptimizerScalars(cfg.optimizer, step + 1, kWorkers);
+    for (uint32_t j = 0; j < kDim; ++j) ps::SgdStep(w[j], sum_w[j], sc);
+    ps::SgdStep(b, sum_b, sc);
+  }
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    ASSERT_EQ(final_w[rank].size(), kDim);
+    EXPECT_EQ(0, std::memcmp(final_w[rank].data(), w.data(), kDim * sizeof(float)))
+        << "worker " << rank << " w[0] " << final_w[rank][0] << " vs " << w[0];
+    EXPECT_EQ(0, std::memcmp(&final_b[rank], &b, sizeof(float)));
+  }
+  EXPECT_LT(data.Loss(w.data(), b), data.Loss(std::vector<float>(kDim, 0.0f).data(), 0.0f) / 4)
+      << "the reference itself should have learned something";
+  const auto history = cluster.scheduler().history();
+  ASSERT_EQ(history.size(), kSteps);
+  for (const RoundRecord& r : history) EXPECT_EQ(r.members.size(), kWorkers);
+  EXPECT_EQ(cluster.server(0).stats().rounds_applied, kSteps);
+  EXPECT_EQ(cluster.server(1).stats().rounds_applied, kSteps);
+}
+
+// --- Invariants 1-3 and 5 in every mode, with random per-worker delays ----------------
+
+// A worker that pushes all-ones gradients: with the `sum` optimizer the model then holds,
+// on every element, the number of gradients applied.
+class SumWorker {
+ public:
+  static constexpr size_t kBig = 1000;  // 4 slices of 1 KiB over both servers
+
+  explicit SumWorker(Worker& w) : w_(w), a_(kBig, 0.0f), b_(3, 0.0f) {
+    auto ta = w_.Register("a", a_);
+    auto tb = w_.Register("b", b_);
+    EXPECT_TRUE(ta.ok() && tb.ok()) << ta.status().ToString();
+    ta_ = ta.ok() ? *ta : 0;
+    tb_ = tb.ok() ? *tb : 1;
+  }
+
+  // Pull both tensors, "compute" for `compute`, push both and wait for the commit.
+  bool Iterate(std::chrono::microseconds compute) {
+    if (!Pull()) return false;
+    std::this_thread::sleep_for(compute);
+    auto h1 = w_.Push(ta_, ones_a_.data());
+    auto h2 = w_.Push(tb_, ones_b_.data());
+    Status s1 = w_.Wait(h1), s2 = w_.Wait(h2);
+    EXPECT_TRUE(s1.ok() && s2.ok()) << s1.ToString() << " " << s2.ToString();
+    if (!s1.ok() || !s2.ok()) return false;
+    ++completed;
+    return true;
+  }
+
+  bool Pull() {
+    const Clock c = w_.clock();
+    Version va = 0, vb = 0;
+    Status s1 = w_.Wait(w_.Pull(ta_, a_.data()), &va);
+    Status s2 = w_.Wait(w_.Pull(tb_, b_.data()), &vb);
+    EXPECT_TRUE(s1.ok() && s2.ok()) << s1.ToString() << " " << s2.ToString();
+    const Version v = std::min(va, vb);
+    EXPECT_GE(v, last_) << "invariant 3: versions seen by a worker never go backwards";
+    last_ = v;
+    pulls.emplace_back(c, v);
+    return s1.ok() && s2.ok();
+  }
+
+  // Only the first tensor: a gradient that never becomes whole.
+  void PushOnlyA() { partial_ = w_.Push(ta_, ones_a_.data()); }
+
+  // The model at the newest decided round, read once every queued gradient is applied.
+  // `w_` must be the only live worker: its empty commits close the rounds still holding
+  // gradients of workers that left or died.
+  void ReadFinal(LocalCluster& cluster, uint64_t* empty_commits) {
+    auto members = [&] {
+      uint64_t n = 0;
+      for (const RoundRecord& r : cluster.scheduler().history()) n += r.members.size();
+      return n;
+    };
+    for (int i = 0; i < 100 && members() < cluster.scheduler().stats().gradients_committed; ++i) {
+      ASSERT_TRUE(w_.Wait(w_.Advance()).ok());
+      ++*empty_commits;
+    }
+    const Version newest = cluster.scheduler().history().size();
+    for (int tries = 0; tries < 500 && last_ < newest; ++tries) {
+      ASSERT_TRUE(Pull());
+      if (last_ < newest) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ASSERT_EQ(last_, newest);
+  }
+
+  const std::vector<float>& a() const { return a_; }
+  const std::vector<float>& b() const { return b_; }
+
+  std::vector<std::pair<Clock, Version>> pulls;  // (clock, version) of each pull
+  uint64_t completed = 0;                        // pushes whose Wait returned OK
+
+ private:
+  Worker& w_;
+  std::vector<float> a_, b_;
+  const std::vector<float> ones_a_ = std::vector<float>(kBig, 1.0f);
+  const std::vector<float> ones_b_ = std::vector<float>(3, 1.0f);
+  TensorId ta_ = 0, tb_ = 1;
+  Version last_ = 0;
+  Handle partial_ = 0;
+};
+
+// Worker 0 of a test stays to read the final model; until the other workers are done it
+// keeps contributing (empty commits), as a live worker that stopped pushing would otherwise
+// hold up rounds that need its quorum share.
+void ContributeUntil(Worker& w, const std::atomic<int>& done, int expected, uint64_t* empty) {
+  while (done < expected) {
+    EXPECT_TRUE(w.Wait(w.Advance()).ok());
+    ++*empty;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void ExpectModelCounts(const SumWorker& probe, uint64_t count) {
+  for (float x : probe.a()) ASSERT_EQ(x, static_cast<float>(count));
+  for (float x : probe.b()) ASSERT_EQ(x, static_cast<float>(count));
+}
+
+uint64_t CountMembers(const std::vector<RoundRecord>& history,
+                      std::map<std::pair<WorkerId, Clock>, Round>* placed = nullptr) {
+  uint64_t n = 0;
+  for (const RoundRecord& r : history) {
+    for (const RoundMember& m : r.members) {
+      if (placed) {
+        EXPECT_TRUE(placed->emplace(std::make_pair(m.worker, m.clock), r.round).second)
+            << "worker " << m.worker << " clock " << m.clock << " placed twice";
+      }
+      ++n;
+    }
+  }
+  return n;
+}
+
+class ModeTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
+  constexpr int kWorkers = 4;
+  constexpr uint32_t kIters = 30;
+  Config cfg = TestConfig(GetParam(), 2, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSum;
+  cfg.slice_bytes = 1024;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  std::vector<std::unique_ptr<SumWorker>> sums;
+  for (auto& w : workers) sums.push_back(std::make_unique<SumWorker>(*w));
+  std::atomic<int> others_done{0};
+  uint64_t empty_commits = 0;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      // Random compute times; the last worker is 3x slower.
+      std::mt19937 rng(100 + r);
+      std::uniform_int_distribution<int> us(1000, 6000);
+      const int slow = r == kWorkers - 1 ? 3 : 1;
+      for (uint32_t i = 0; i < kIters; ++i) {
+        if (!sums[r]->Iterate(std::chrono::microseconds(us(rng) * slow))) return;
+      }
+      if (r > 0) {
+        EXPECT_TRUE(workers[r]->Leave().ok());  // its committed gradients still apply
+        ++others_done;
+      } else {
+        ContributeUntil(*workers[0], others_done, kWorkers - 1, &empty_commits);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (HasFatalFailure()) return;
+
+  uint64_t total = 0;
+  for (auto& sw : sums) total += sw->completed;
+  ASSERT_EQ(total, kWorkers * kIters);
+  // Invariant 5: every completed push applied exactly once, on every slice alike.
+  sums[0]->ReadFinal(cluster, &empty_commits);
+  if (HasFatalFailure()) return;
+  ExpectModelCounts(*sums[0], total);
+  ASSERT_TRUE(workers[0]->Leave().ok());
+  ASSERT_TRUE(cluster.WaitFinished().ok());
+
+  const SyncMode mode = cfg.sync;
+  const auto history = cluster.scheduler().history();
+  ExpectRoundInvariants(history, mode);
+  std::map<std::pair<WorkerId, Clock>, Round> placed;
+  const uint64_t gradients = CountMembers(history, &placed);
+  EXPECT_EQ(gradients, total + empty_commits);
+  for (size_t i = 0; i < cluster.num_servers(); ++i) {
+    EXPECT_EQ(cluster.server(i).stats().rounds_applied, history.size());
+    EXPECT_EQ(cluster.server(i).stats().gradients_applied, gradients);
+  }
+  // ssp:K: a pull at clock c held every worker's gradients of clocks < c - K.
+  if (mode.kind == SyncKind::kSsp) {
+    for (const auto& sw : sums) {
+      for (const auto& [clock, version] : sw->pulls) {
+        const Clock needed = clock > mode.bound ? clock - mode.bound : 0;
+        for (const auto& w : workers) {
+          for (Clock c = 0; c < needed && c < kIters; ++c) {
+            auto it = placed.find({w->job().worker_id, c});
+            ASSERT_NE(it, placed.end());
+            EXPECT_LT(it->second, version) << "a pull at clock " << clock << " missed worker "
+                                           << w->job().worker_id << "'s clock " << c;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cluster.scheduler().stats().workers_left, static_cast<uint32_t>(kWorkers));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
+                         ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp"),
+                         [](const auto& param_info) {
+                           std::string n = param_info.param;
+                           for (char& ch : n) {
+                             if (ch == ':' || ch == ',') ch = '_';
+                           }
+                           return n;
+                         });
+
+}  // namespace
+}  // namespace dsync::testing
