@@ -90,6 +90,9 @@ struct Config {
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).
   std::string audit_log;
+  // Server: at the end of the job, write a summary of every slice (version, min, max, sum)
+  // as JSON to this directory (server-<id>.json).
+  std::string dump_model;
 
   // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults.
   static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);

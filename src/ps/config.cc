@@ -201,6 +201,7 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
   if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
   if (const std::string* v = get({"DSYNC_AUDIT_LOG"})) c.audit_log = *v;
+  if (const std::string* v = get({"DSYNC_DUMP_MODEL"})) c.dump_model = *v;
   return c;
 }
 

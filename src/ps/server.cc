@@ -10,7 +10,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -81,6 +83,7 @@ class ServerNode final : public Server, public TransportHandler {
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
     spdlog::info("server {} stopped after {} round(s)", id_, stats_.rounds_applied.load());
+    if (result.ok() && !cfg_.dump_model.empty()) result = DumpModel();
     return result;
   }
 
@@ -596,6 +599,38 @@ class ServerNode final : public Server, public TransportHandler {
         return true;
       });
     }
+  }
+
+  // One JSON object per slice: enough to check a final model without shipping it.
+  Status DumpModel() {
+    const std::string path = fmt::format("{}/server-{}.json", cfg_.dump_model, id_);
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    if (!f) return Error(StatusCode::kInvalidArgument, "cannot write the model dump '{}'", path);
+    std::shared_lock lock(slices_mu_);
+    std::vector<float> values;
+    std::fprintf(f, "{\"server\":%u,\"rounds\":%llu,\"slices\":[", id_,
+                 static_cast<unsigned long long>(stats_.rounds_applied.load()));
+    for (size_t i = 0; i < slice_list_.size(); ++i) {
+      const SliceState& s = *slice_list_[i];
+      values.resize(s.elements);
+      (void)store_->Read(s.key, values);
+      double sum = 0;
+      float lo = values[0], hi = values[0];
+      for (float v : values) {
+        sum += v;
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      std::fprintf(f,
+                   "%s\n{\"tensor\":%u,\"slice\":%u,\"version\":%llu,\"elements\":%llu,"
+                   "\"min\":%.9g,\"max\":%.9g,\"sum\":%.17g}",
+                   i ? "," : "", s.tensor, s.index, static_cast<unsigned long long>(s.version),
+                   static_cast<unsigned long long>(s.elements), static_cast<double>(lo),
+                   static_cast<double>(hi), sum);
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+    return Status::Ok();
   }
 
   void ReleaseAllStaged() {

@@ -1,0 +1,80 @@
+#include "flags.h"
+
+#include <spdlog/spdlog.h>
+
+namespace dsync::app {
+
+void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
+  app.add_option("--scheduler-uri,--scheduler-host", c.scheduler_host,
+                 "scheduler address (DSYNC_SCHEDULER_URI)")
+      ->capture_default_str();
+  app.add_option("--scheduler-port", c.scheduler_port, "scheduler port (DSYNC_SCHEDULER_PORT)")
+      ->capture_default_str();
+  app.add_option("--bind", c.bind_host,
+                 "interface this node listens on (DSYNC_INTERFACE); loopback unless set")
+      ->capture_default_str();
+  app.add_option("--port", c.port, "port this node listens on; 0 picks one (DSYNC_PORT)")
+      ->capture_default_str();
+  app.add_option("--token", c.token, "cluster token shared by every node (DSYNC_TOKEN)");
+  app.add_option("--heartbeat-ms", c.heartbeat_interval_ms, "heartbeat interval (DSYNC_HEARTBEAT_MS)")
+      ->capture_default_str();
+  app.add_option("--heartbeat-timeout-ms", c.heartbeat_timeout_ms,
+                 "a worker silent this long is declared dead (DSYNC_HEARTBEAT_TIMEOUT_MS)")
+      ->capture_default_str();
+  app.add_option("--connect-timeout-ms", c.connect_timeout_ms,
+                 "how long to retry reaching a peer (DSYNC_CONNECT_TIMEOUT_MS)")
+      ->capture_default_str();
+  app.add_option("--transport", c.transport, "tcp (rdma comes with a later release)")
+      ->capture_default_str();
+  app.add_option("--store", c.store, "parameter store: cpu|auto")->capture_default_str();
+  app.add_option("--log-level", text.log_level, "trace|debug|info|warn|error")
+      ->capture_default_str();
+}
+
+void AddJobFlags(CLI::App& app, Config& c, FlagText& text) {
+  app.add_option("--sync", text.sync,
+                 "bsp | dsync:K | dsync:K,Q | ssp:K | asp (DSYNC_SYNC; default bsp)");
+  app.add_option("--optimizer", text.optimizer, "sgd | momentum | adam | sum (DSYNC_OPTIMIZER)");
+  app.add_option("--lr", c.optimizer.lr, "learning rate (DSYNC_LR)")->capture_default_str();
+  app.add_option("--momentum", c.optimizer.momentum, "momentum (DSYNC_MOMENTUM)")
+      ->capture_default_str();
+  app.add_option("--beta1", c.optimizer.beta1, "adam beta1")->capture_default_str();
+  app.add_option("--beta2", c.optimizer.beta2, "adam beta2")->capture_default_str();
+  app.add_option("--eps", c.optimizer.eps, "adam epsilon")->capture_default_str();
+  app.add_option("--weight-decay", c.optimizer.weight_decay, "L2 weight decay")
+      ->capture_default_str();
+  app.add_option("--slice-bytes", text.slice,
+                 "tensors are cut into slices of this size, e.g. 4M (DSYNC_SLICE_BYTES)");
+  app.add_option("--num-servers", c.num_servers, "servers in the job (DSYNC_NUM_SERVERS)")
+      ->capture_default_str();
+  app.add_option("--num-workers", c.num_workers,
+                 "workers that start the job together (DSYNC_NUM_WORKERS); more may join later")
+      ->capture_default_str();
+  app.add_option("--audit-log", c.audit_log, "scheduler: write each round decision here (JSON lines)");
+  app.add_option("--dump-model", c.dump_model,
+                 "server: at the end, write per-slice summaries to this directory");
+}
+
+Status ApplyFlagText(const FlagText& text, Config& c) {
+  if (!text.sync.empty()) {
+    DSYNC_ASSIGN_OR_RETURN(c.sync, SyncMode::Parse(text.sync));
+  }
+  if (!text.optimizer.empty()) {
+    DSYNC_ASSIGN_OR_RETURN(c.optimizer.kind, ParseOptimizer(text.optimizer));
+  }
+  if (!text.slice.empty()) {
+    // Reuse the environment parser's size syntax (4M, 512k, ...).
+    DSYNC_ASSIGN_OR_RETURN(Config parsed,
+                           Config::FromEnvironment({{"DSYNC_SLICE_BYTES", text.slice}}));
+    c.slice_bytes = parsed.slice_bytes;
+  }
+  const auto level = spdlog::level::from_str(text.log_level);
+  if (level == spdlog::level::off && text.log_level != "off") {
+    return Error(StatusCode::kInvalidArgument, "log level '{}' is not one of trace, debug, info, "
+                 "warn, error, off", text.log_level);
+  }
+  spdlog::set_level(level);
+  return Status::Ok();
+}
+
+}  // namespace dsync::app

@@ -1,0 +1,28 @@
+// Command-line flags shared by the roles: they start from the environment (DSYNC_*, DMLC_*)
+// and override it.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+#include "dsync/config.h"
+
+namespace dsync::app {
+
+// Text flags that need parsing after CLI11 has run.
+struct FlagText {
+  std::string sync;
+  std::string optimizer;
+  std::string slice;
+  std::string log_level = "info";
+};
+
+// Adds the flags of every role (where the scheduler is, the token, ...).
+void AddNodeFlags(CLI::App& app, Config& config, FlagText& text);
+// Adds the job-wide flags the scheduler owns (sync mode, optimizer, slices, membership).
+void AddJobFlags(CLI::App& app, Config& config, FlagText& text);
+// Parses the text flags into `config` and sets the log level.
+Status ApplyFlagText(const FlagText& text, Config& config);
+
+}  // namespace dsync::app

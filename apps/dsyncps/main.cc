@@ -1,0 +1,119 @@
+// dsyncps: run a whole cluster on this machine (`local`), or one role of a cluster
+// (`scheduler`, `server`, `worker`) configured by flags or by DSYNC_* environment variables
+// (ps-lite's DMLC_* names work too). With no subcommand, DSYNC_ROLE picks the role.
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+
+#include "flags.h"
+#include "roles.h"
+
+namespace {
+
+using dsync::Config;
+using dsync::app::FlagText;
+using dsync::app::LocalOptions;
+using dsync::app::TrainOptions;
+
+void AddTrainFlags(CLI::App& app, TrainOptions& t) {
+  // A launcher appends per-worker flags after the common ones: the last one wins.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--model", t.model, "built-in model: linreg | count")->capture_default_str();
+  app.add_option("--iters", t.iters, "training iterations per worker")->capture_default_str();
+  app.add_option("--batch", t.batch, "minibatch size")->capture_default_str();
+  app.add_option("--dim", t.dim, "linreg: features")->capture_default_str();
+  app.add_option("--samples", t.samples, "linreg: data set size")->capture_default_str();
+  app.add_option("--tensor-elems", t.tensor_elems, "count: elements of the big tensor")
+      ->capture_default_str();
+  app.add_option("--seed", t.seed, "data seed (the same for every worker)")->capture_default_str();
+  app.add_option("--compute-ms", t.compute_ms, "simulated compute time per iteration")
+      ->capture_default_str();
+  app.add_option("--slow", t.slow, "straggler: multiply the compute time by this")
+      ->capture_default_str();
+  app.add_option("--log-every", t.log_every, "print progress every N iterations")
+      ->capture_default_str();
+  app.add_option("--kill-at-iter", t.kill_at_iter, "failure injection: SIGKILL itself here");
+  app.add_option("--kill-point", t.kill_point, "after-push | mid-push")->capture_default_str();
+  app.add_option("--hang-at-iter", t.hang_at_iter,
+                 "failure injection: SIGSTOP itself here (stops heartbeating)");
+}
+
+std::string SelfPath(const char* argv0) {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n > 0) return std::string(buf, static_cast<size_t>(n));
+  return argv0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto env = Config::FromProcessEnvironment();
+  if (!env.ok()) {
+    std::fprintf(stderr, "dsyncps: error: %s\n", env.status().ToString().c_str());
+    return 2;
+  }
+  Config config = *env;
+  FlagText text;
+  TrainOptions train;
+  LocalOptions local;
+
+  CLI::App app{"dsyncps: a parameter server with delayed synchronization (bounded staleness, "
+               "live membership)"};
+  app.set_help_all_flag("--help-all", "help for every subcommand");
+  auto* sched = app.add_subcommand("scheduler", "run the scheduler (membership, rounds)");
+  auto* server = app.add_subcommand("server", "run a server (holds and updates slices)");
+  auto* worker = app.add_subcommand("worker", "run a worker training the built-in model");
+  auto* loc = app.add_subcommand("local", "run a whole cluster as processes on this machine");
+  for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
+  dsync::app::AddJobFlags(*sched, config, text);
+  dsync::app::AddJobFlags(*loc, config, text);
+  AddTrainFlags(*worker, train);
+  AddTrainFlags(*loc, train);
+  loc->add_option("--servers", local.servers, "servers to start")->capture_default_str();
+  loc->add_option("--workers", local.workers, "workers to start")->capture_default_str();
+  loc->add_option("--timeout", local.timeout_s, "kill the job after this many seconds")
+      ->capture_default_str();
+  loc->add_option("--join", local.join,
+                  "WORKER=MS: start that worker MS milliseconds late; it joins the running job");
+  loc->add_option("--worker-flags", local.worker_extra,
+                  "WORKER=FLAGS: extra flags for one worker, e.g. '3=--slow 3'");
+
+  CLI11_PARSE(app, argc, argv);
+  if (dsync::Status s = dsync::app::ApplyFlagText(text, config); !s.ok()) {
+    std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+    return 2;
+  }
+
+  dsync::Role role = config.role;
+  if (sched->parsed()) role = dsync::Role::kScheduler;
+  if (server->parsed()) role = dsync::Role::kServer;
+  if (worker->parsed()) role = dsync::Role::kWorker;
+  if (loc->parsed()) {
+    if (local.servers == 0 || local.workers == 0) {
+      std::fprintf(stderr, "dsyncps: error: --servers and --workers must be at least 1\n");
+      return 2;
+    }
+    return dsync::app::RunLocal(SelfPath(argv[0]), local, config, train);
+  }
+  if (!sched->parsed() && !server->parsed() && !worker->parsed() &&
+      !std::getenv("DSYNC_ROLE") && !std::getenv("DMLC_ROLE")) {
+    std::fprintf(stderr, "%s\ndsyncps: error: name a subcommand (local, scheduler, server, "
+                 "worker) or set DSYNC_ROLE\n", app.help().c_str());
+    return 2;
+  }
+  config.role = role;
+  if (dsync::Status s = config.Validate(); !s.ok()) {
+    std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  switch (role) {
+    case dsync::Role::kScheduler: return dsync::app::RunScheduler(config);
+    case dsync::Role::kServer: return dsync::app::RunServer(config);
+    case dsync::Role::kWorker: return dsync::app::RunWorker(config, train);
+  }
+  return 2;
+}

@@ -1,0 +1,52 @@
+// Entry points of the dsyncps program's subcommands.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dsync/config.h"
+
+namespace dsync::app {
+
+// Blocks SIGINT/SIGTERM and turns them into a call of `stop` from a helper thread, so
+// a node shuts down cleanly (and a launcher can stop its children) instead of dying mid-frame.
+void HandleStopSignals(void (*stop)());
+
+int RunScheduler(const Config& config);
+int RunServer(const Config& config);
+
+struct TrainOptions {
+  std::string model = "linreg";  // linreg | count
+  uint32_t iters = 100;
+  uint32_t batch = 32;
+  uint32_t dim = 256;
+  uint32_t samples = 8192;
+  uint32_t tensor_elems = 1 << 16;  // count model
+  uint32_t seed = 1;
+  double compute_ms = 0;     // extra simulated compute time per iteration
+  double slow = 1;           // straggler: compute time multiplied by this
+  uint32_t log_every = 10;
+  // Failure injection (tests, demos).
+  int64_t kill_at_iter = -1;
+  std::string kill_point = "after-push";  // after-push | mid-push
+  int64_t hang_at_iter = -1;              // SIGSTOP itself: stops heartbeating
+};
+int RunWorker(const Config& config, const TrainOptions& train);
+
+struct LocalOptions {
+  uint32_t servers = 2;
+  uint32_t workers = 4;
+  uint32_t timeout_s = 600;
+  // "I=MS": worker I starts MS milliseconds after the others and joins the running job.
+  std::vector<std::string> join;
+  // "I=FLAGS": extra flags for worker I only, e.g. "3=--slow 3" or "2=--kill-at-iter 5".
+  std::vector<std::string> worker_extra;
+};
+// Runs a whole cluster on this machine as separate processes of this program (`self`):
+// the job configuration travels to them in DSYNC_* variables, the training flags in argv.
+int RunLocal(const std::string& self, const LocalOptions& local, const Config& job,
+             const TrainOptions& train);
+
+}  // namespace dsync::app

@@ -1,0 +1,224 @@
+// The worker role of the dsyncps program: trains a small built-in model through the PS.
+//   linreg: least squares on a synthetic data set, every worker sampling its own
+//           minibatches; prints progress and the final loss on the whole data set.
+//   count:  pushes all-ones gradients (run it with --optimizer sum): the model then holds
+//           the number of gradients applied, which tests compare with what workers report.
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "dsync/worker.h"
+#include "roles.h"
+
+namespace dsync::app {
+namespace {
+
+int Fail(const Status& status) {
+  std::fprintf(stderr, "dsyncps: error: %s\n", status.ToString().c_str());
+  return 1;
+}
+
+void SimulateCompute(const TrainOptions& t) {
+  const double ms = t.compute_ms * t.slow;
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+}
+
+// Failure injection for tests: stdout is flushed first so what was reported survives.
+[[noreturn]] void KillSelf(const char* why, uint32_t completed) {
+  std::printf("injected failure: %s (completed %u)\n", why, completed);
+  std::fflush(stdout);
+  raise(SIGKILL);
+  _exit(137);
+}
+
+class LinearProblem {
+ public:
+  LinearProblem(uint32_t dim, uint32_t samples, uint32_t seed)
+      : dim_(dim), x_(size_t{dim} * samples), y_(samples) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    std::vector<float> truth(dim);
+    for (float& v : truth) v = n(rng) / std::sqrt(static_cast<float>(dim));
+    for (uint32_t i = 0; i < samples; ++i) {
+      float dot = 0.3f;
+      for (uint32_t j = 0; j < dim; ++j) {
+        x_[size_t{i} * dim + j] = n(rng);
+        dot += x_[size_t{i} * dim + j] * truth[j];
+      }
+      y_[i] = dot + 0.05f * n(rng);
+    }
+  }
+
+  // Mean of 0.5 (x.w + b - y)^2 over `rows`; gradients into gw, gb. Returns the loss.
+  float Gradient(const std::vector<float>& w, float b, const std::vector<uint32_t>& rows,
+                 std::vector<float>& gw, float& gb) const {
+    std::fill(gw.begin(), gw.end(), 0.0f);
+    gb = 0.0f;
+    double loss = 0;
+    for (uint32_t i : rows) {
+      const float* x = &x_[size_t{i} * dim_];
+      float err = b - y_[i];
+      for (uint32_t j = 0; j < dim_; ++j) err += x[j] * w[j];
+      for (uint32_t j = 0; j < dim_; ++j) gw[j] += err * x[j];
+      gb += err;
+      loss += 0.5 * err * err;
+    }
+    const float inv = 1.0f / static_cast<float>(rows.size());
+    for (float& g : gw) g *= inv;
+    gb *= inv;
+    return static_cast<float>(loss / static_cast<double>(rows.size()));
+  }
+
+  float Loss(const std::vector<float>& w, float b) const {
+    double loss = 0;
+    for (uint32_t i = 0; i < y_.size(); ++i) {
+      const float* x = &x_[size_t{i} * dim_];
+      float err = b - y_[i];
+      for (uint32_t j = 0; j < dim_; ++j) err += x[j] * w[j];
+      loss += 0.5 * err * err;
+    }
+    return static_cast<float>(loss / static_cast<double>(y_.size()));
+  }
+
+  uint32_t samples() const { return static_cast<uint32_t>(y_.size()); }
+
+ private:
+  uint32_t dim_;
+  std::vector<float> x_, y_;
+};
+
+Status PullAll(Worker& w, const std::vector<std::pair<TensorId, float*>>& tensors, Version* v) {
+  std::vector<Handle> handles;
+  for (const auto& [id, out] : tensors) handles.push_back(w.Pull(id, out));
+  *v = ~Version{0};
+  for (Handle h : handles) {
+    Version tv = 0;
+    DSYNC_RETURN_IF_ERROR(w.Wait(h, &tv));
+    *v = std::min(*v, tv);
+  }
+  return Status::Ok();
+}
+
+Status PushAll(Worker& w, const std::vector<std::pair<TensorId, const float*>>& tensors) {
+  std::vector<Handle> handles;
+  for (const auto& [id, grad] : tensors) handles.push_back(w.Push(id, grad));
+  for (Handle h : handles) DSYNC_RETURN_IF_ERROR(w.Wait(h));
+  return Status::Ok();
+}
+
+int TrainLinear(Worker& w, const TrainOptions& t) {
+  const WorkerId me = w.job().worker_id;
+  const LinearProblem problem(t.dim, t.samples, t.seed);
+  std::vector<float> params(t.dim, 0.0f), grad(t.dim);
+  float bias = 0.0f, gbias = 0.0f;
+  auto tw = w.Register("linear.weight", params);
+  if (!tw.ok()) return Fail(tw.status());
+  auto tb = w.Register("linear.bias", {&bias, 1});
+  if (!tb.ok()) return Fail(tb.status());
+  std::mt19937 rng(t.seed * 7919u + me);
+  std::uniform_int_distribution<uint32_t> pick(0, problem.samples() - 1);
+  std::vector<uint32_t> rows(t.batch);
+  const auto start = std::chrono::steady_clock::now();
+  Version version = 0;
+  uint32_t completed = 0;
+  for (uint32_t it = 0; it < t.iters; ++it) {
+    if (Status s = PullAll(w, {{*tw, params.data()}, {*tb, &bias}}, &version); !s.ok()) {
+      return Fail(s);
+    }
+    if (static_cast<int64_t>(it) == t.hang_at_iter) {
+      std::printf("worker %u: injected hang at iteration %u\n", me, it);
+      std::fflush(stdout);
+      raise(SIGSTOP);
+    }
+    for (uint32_t& r : rows) r = pick(rng);
+    const float loss = problem.Gradient(params, bias, rows, grad, gbias);
+    SimulateCompute(t);
+    if (static_cast<int64_t>(it) == t.kill_at_iter && t.kill_point == "mid-push") {
+      w.Push(*tw, grad.data());
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      KillSelf("killed between two tensors of a push", completed);
+    }
+    if (Status s = PushAll(w, {{*tw, grad.data()}, {*tb, &gbias}}); !s.ok()) return Fail(s);
+    ++completed;
+    if (static_cast<int64_t>(it) == t.kill_at_iter) KillSelf("killed after a push", completed);
+    if (t.log_every && (it % t.log_every == 0 || it + 1 == t.iters)) {
+      std::printf("worker %u: iter %u/%u version %llu minibatch loss %.6f\n", me, it + 1,
+                  t.iters, static_cast<unsigned long long>(version), static_cast<double>(loss));
+      std::fflush(stdout);
+    }
+  }
+  if (Status s = PullAll(w, {{*tw, params.data()}, {*tb, &bias}}, &version); !s.ok()) {
+    return Fail(s);
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("worker %u: final loss %.6f at version %llu after %u iterations (%.2f s, "
+              "initial loss %.6f)\n",
+              me, static_cast<double>(problem.Loss(params, bias)),
+              static_cast<unsigned long long>(version), completed, secs,
+              static_cast<double>(problem.Loss(std::vector<float>(t.dim, 0.0f), 0.0f)));
+  std::fflush(stdout);
+  return 0;
+}
+
+int TrainCount(Worker& w, const TrainOptions& t) {
+  const WorkerId me = w.job().worker_id;
+  std::vector<float> a(t.tensor_elems, 0.0f), b(3, 0.0f);
+  const std::vector<float> ones_a(t.tensor_elems, 1.0f), ones_b(3, 1.0f);
+  auto ta = w.Register("count.a", a);
+  if (!ta.ok()) return Fail(ta.status());
+  auto tb = w.Register("count.b", b);
+  if (!tb.ok()) return Fail(tb.status());
+  uint32_t completed = 0;
+  Version version = 0;
+  for (uint32_t it = 0; it < t.iters; ++it) {
+    if (Status s = PullAll(w, {{*ta, a.data()}, {*tb, b.data()}}, &version); !s.ok()) {
+      return Fail(s);
+    }
+    if (static_cast<int64_t>(it) == t.hang_at_iter) {
+      std::printf("worker %u: injected hang at iteration %u (completed %u)\n", me, it, completed);
+      std::fflush(stdout);
+      raise(SIGSTOP);
+    }
+    SimulateCompute(t);
+    if (static_cast<int64_t>(it) == t.kill_at_iter && t.kill_point == "mid-push") {
+      w.Push(*ta, ones_a.data());
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      KillSelf("killed between two tensors of a push", completed);
+    }
+    if (Status s = PushAll(w, {{*ta, ones_a.data()}, {*tb, ones_b.data()}}); !s.ok()) {
+      return Fail(s);
+    }
+    ++completed;
+    if (static_cast<int64_t>(it) == t.kill_at_iter) KillSelf("killed after a push", completed);
+  }
+  std::printf("worker %u: completed %u (model count %.0f at version %llu)\n", me, completed,
+              static_cast<double>(a[0]), static_cast<unsigned long long>(version));
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int RunWorker(const Config& config, const TrainOptions& t) {
+  if (t.model != "linreg" && t.model != "count") {
+    return Fail(Error(StatusCode::kInvalidArgument, "model '{}' is not one of linreg, count",
+                      t.model));
+  }
+  auto worker = Worker::Start(config);
+  if (!worker.ok()) return Fail(worker.status());
+  Worker& w = **worker;
+  const int rc = t.model == "linreg" ? TrainLinear(w, t) : TrainCount(w, t);
+  if (rc != 0) return rc;
+  if (Status s = w.Leave(); !s.ok()) return Fail(s);
+  return 0;
+}
+
+}  // namespace dsync::app

@@ -1,0 +1,301 @@
+// Clusters of real processes on 127.0.0.1, driven through the dsyncps program: the local
+// launcher, the environment bootstrap, and failures the way they happen (SIGKILL in the
+// middle of a push, SIGSTOP so heartbeats stop, a worker joining late). Every test is
+// bounded in time and kills what it started.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsync/config.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+// A child process with its output in a file.
+class Proc {
+ public:
+  Proc(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
+       const fs::path& log)
+      : log_(log) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      FILE* f = std::fopen(log.c_str(), "w");
+      if (f) {
+        dup2(fileno(f), STDOUT_FILENO);
+        dup2(fileno(f), STDERR_FILENO);
+      }
+      for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+      std::vector<char*> argv;
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+  }
+  ~Proc() {
+    if (pid_ > 0 && !done_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  // Waits for the exit; returns the wait status, or -1 after killing it on timeout.
+  int Wait(std::chrono::seconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        done_ = true;
+        return status;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    done_ = true;
+    return -1;
+  }
+  std::string Output() const {
+    std::ifstream in(log_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool done_ = false;
+  fs::path log_;
+};
+
+class MultiProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("dsync-mp-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "dump");
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // Runs `dsyncps local ARGS` and returns its output; asserts it exited 0.
+  std::string RunLocal(std::vector<std::string> args, int expect_exit = 0) {
+    std::vector<std::string> argv = {DSYNC_BINARY, "local", "--timeout", "100",
+                                     "--dump-model", (dir_ / "dump").string(),
+                                     "--audit-log", (dir_ / "audit.jsonl").string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Proc p(argv, {}, dir_ / "local.log");
+    const int status = p.Wait(120s);
+    const std::string out = p.Output();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == expect_exit)
+        << "status " << status << "\n" << out;
+    return out;
+  }
+
+  // Every "completed N" a worker reported, summed. In the launcher's output only the relayed
+  // worker lines count (its summary repeats them).
+  static uint64_t Completed(const std::string& out, bool launcher = true) {
+    std::regex re("completed (\\d+)");
+    uint64_t total = 0;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      std::smatch m;
+      if ((!launcher || line.rfind("[worker", 0) == 0) && std::regex_search(line, m, re)) {
+        total += std::stoull(m[1]);
+      }
+    }
+    return total;
+  }
+
+  // Every slice of every server's dump holds exactly `count` on every element.
+  void ExpectModelCount(uint64_t count, uint32_t servers) {
+    uint32_t files = 0, slices = 0;
+    for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
+      ++files;
+      json j = json::parse(std::ifstream(entry.path()));
+      for (const json& s : j["slices"]) {
+        ++slices;
+        EXPECT_EQ(s["min"].get<double>(), static_cast<double>(count))
+            << entry.path() << " tensor " << s["tensor"] << " slice " << s["slice"];
+        EXPECT_EQ(s["max"].get<double>(), static_cast<double>(count));
+      }
+    }
+    EXPECT_EQ(files, servers);
+    EXPECT_GT(slices, servers);
+  }
+
+  // Bound and quorum over the scheduler's decisions; returns the rounds.
+  std::vector<json> CheckAudit(uint32_t bound) {
+    std::vector<json> rounds;
+    std::ifstream in(dir_ / "audit.jsonl");
+    uint64_t expected = 0;
+    for (std::string line; std::getline(in, line);) {
+      json r = json::parse(line);
+      EXPECT_EQ(r["round"].get<uint64_t>(), expected++);
+      uint32_t live_members = 0;
+      for (const json& m : r["members"]) {
+        EXPECT_LE(r["round"].get<uint64_t>() - m[2].get<uint64_t>(), bound) << line;
+        ++live_members;
+      }
+      EXPECT_GE(live_members, r["quorum"].get<uint32_t>()) << line;
+      rounds.push_back(std::move(r));
+    }
+    return rounds;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(MultiProcess, LocalClusterOfSeparateProcessesTrainsTheModel) {
+  // 1 scheduler + 2 servers + 3 workers, each its own process.
+  const std::string out = RunLocal({"--servers", "2", "--workers", "3", "--sync", "dsync:2",
+                                    "--iters", "60", "--lr", "0.05", "--log-every", "20"});
+  std::regex re("final loss ([0-9.]+) .*initial loss ([0-9.]+)");
+  int finals = 0;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (line.rfind("[worker", 0) == 0 && std::regex_search(line, m, re)) {
+      ++finals;
+      EXPECT_LT(std::stod(m[1]), std::stod(m[2]) / 10) << line;
+    }
+  }
+  EXPECT_EQ(finals, 3) << out;
+  EXPECT_NE(out.find("job finished"), std::string::npos);
+  const auto rounds = CheckAudit(2);
+  EXPECT_GE(rounds.size(), 60u);
+}
+
+TEST_F(MultiProcess, SigkillMidPushIsAppliedNowhereAndAfterPushExactlyOnce) {
+  const std::string out =
+      RunLocal({"--servers", "2", "--workers", "4", "--sync", "bsp", "--optimizer", "sum",
+                "--model", "count", "--iters", "20", "--tensor-elems", "5000", "--slice-bytes",
+                "4096", "--compute-ms", "5", "--worker-flags",
+                "2=--kill-at-iter 5 --kill-point mid-push", "--worker-flags",
+                "1=--kill-at-iter 7 --kill-point after-push"});
+  EXPECT_NE(out.find("killed between two tensors of a push (completed 5)"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("killed after a push (completed 8)"), std::string::npos) << out;
+  EXPECT_NE(out.find("2 worker(s) were killed"), std::string::npos);
+  const uint64_t total = Completed(out);
+  EXPECT_EQ(total, 20u + 20u + 5u + 8u);
+  ExpectModelCount(total, 2);
+  CheckAudit(0);
+}
+
+TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
+  const std::string out = RunLocal(
+      {"--servers", "1", "--workers", "3", "--sync", "dsync:1", "--optimizer", "sum", "--model",
+       "count", "--iters", "30", "--tensor-elems", "3000", "--slice-bytes", "4096",
+       "--compute-ms", "10", "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "800",
+       "--worker-flags", "1=--hang-at-iter 4"});
+  EXPECT_NE(out.find("no heartbeat for 800 ms"), std::string::npos) << out;
+  const uint64_t total = Completed(out);  // the hung worker reports what it completed
+  EXPECT_EQ(total, 30u + 30u + 4u);
+  ExpectModelCount(total, 1);
+  CheckAudit(1);
+}
+
+TEST_F(MultiProcess, WorkerJoinsAndAnotherLeavesWhileTrainingRuns) {
+  const std::string out = RunLocal(
+      {"--servers", "2", "--workers", "4", "--sync", "dsync:2,2", "--optimizer", "sum",
+       "--model", "count", "--iters", "40", "--tensor-elems", "3000", "--slice-bytes", "4096",
+       "--compute-ms", "8", "--join", "3=250", "--worker-flags", "1=--iters 6"});
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex("worker 1003 joined from .*counts from round (\\d+)")))
+      << "the late worker should join a running job\n" << out;
+  EXPECT_GT(std::stoull(m[1]), 0u);
+  EXPECT_NE(out.find("left after 6 gradient(s)"), std::string::npos) << out;
+  const uint64_t total = Completed(out);
+  EXPECT_EQ(total, 40u + 6u + 40u + 40u);
+  ExpectModelCount(total, 2);
+  CheckAudit(2);
+}
+
+TEST_F(MultiProcess, RolesBootstrapFromTheEnvironmentAlone) {
+  // Find a free port for the scheduler (the launcher avoids this race with a ready pipe).
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  close(fd);
+
+  const std::map<std::string, std::string> env = {
+      {"DMLC_PS_ROOT_URI", "127.0.0.1"},  // ps-lite's names work as fallbacks
+      {"DMLC_PS_ROOT_PORT", port},
+      {"DSYNC_NUM_SERVERS", "1"},
+      {"DSYNC_NUM_WORKERS", "2"},
+      {"DSYNC_SYNC", "ssp:1"},
+      {"DSYNC_OPTIMIZER", "sum"},
+      {"DSYNC_TOKEN", "env-token"}};
+  auto with_role = [&](const char* role) {
+    auto e = env;
+    e["DSYNC_ROLE"] = role;
+    return e;
+  };
+  Proc sched({DSYNC_BINARY}, with_role("scheduler"), dir_ / "scheduler.log");
+  Proc server({DSYNC_BINARY}, with_role("server"), dir_ / "server.log");
+  Proc w0({DSYNC_BINARY, "worker", "--model", "count", "--iters", "15", "--tensor-elems", "100"},
+          env, dir_ / "w0.log");
+  Proc w1({DSYNC_BINARY, "worker", "--model", "count", "--iters", "15", "--tensor-elems", "100"},
+          env, dir_ / "w1.log");
+  EXPECT_EQ(w0.Wait(60s), 0) << w0.Output();
+  EXPECT_EQ(w1.Wait(60s), 0) << w1.Output();
+  EXPECT_EQ(sched.Wait(30s), 0) << sched.Output();
+  EXPECT_EQ(server.Wait(30s), 0) << server.Output();
+  EXPECT_NE(sched.Output().find("sync ssp:1"), std::string::npos) << sched.Output();
+  EXPECT_EQ(Completed(w0.Output(), false) + Completed(w1.Output(), false), 30u);
+}
+
+TEST_F(MultiProcess, ClearErrorsForBadSetups) {
+  {
+    Proc p({DSYNC_BINARY, "scheduler", "--sync", "dsync:x"}, {}, dir_ / "a.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
+    EXPECT_NE(p.Output().find("expected bsp, dsync:K, dsync:K,Q, ssp:K or asp"),
+              std::string::npos)
+        << p.Output();
+  }
+  {
+    Proc p({DSYNC_BINARY, "worker", "--scheduler-port", "1", "--connect-timeout-ms", "300"}, {},
+           dir_ / "b.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 1);
+    EXPECT_NE(p.Output().find("cannot reach 127.0.0.1:1"), std::string::npos) << p.Output();
+  }
+  {
+    Proc p({DSYNC_BINARY, "server", "--transport", "rdma"}, {}, dir_ / "c.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
+    EXPECT_NE(p.Output().find("use --transport tcp"), std::string::npos) << p.Output();
+  }
+  {
+    Proc p({DSYNC_BINARY}, {}, dir_ / "d.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
+    EXPECT_NE(p.Output().find("set DSYNC_ROLE"), std::string::npos) << p.Output();
+  }
+}
+
+}  // namespace
