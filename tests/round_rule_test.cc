@@ -462,6 +462,10 @@ struct PropertyCase {
   bool membership;
 };
 
+void PrintTo(const PropertyCase& c, std::ostream* os) {
+  *os << c.mode << " with " << c.workers << " workers" << (c.membership ? " and churn" : "");
+}
+
 class RoundRuleProperty : public ::testing::TestWithParam<PropertyCase> {};
 
 TEST_P(RoundRuleProperty, InvariantsHoldOverRandomArrivalOrders) {

@@ -33,7 +33,7 @@ class Scheduler {
   virtual Status Run() = 0;
   virtual void Stop() = 0;
   virtual SchedulerStats stats() const = 0;
-  // Every round decided so far, in order (also written to Config::audit_log when set).
+  // The rounds decided so far, in order: the newest 65536 (Config::audit_log keeps all).
   virtual std::vector<RoundRecord> history() const = 0;
 };
 

@@ -89,6 +89,7 @@ Result<SyncMode> SyncMode::Parse(std::string_view text) {
     if (auto comma = rest.find(','); comma != std::string_view::npos) {
       q_text = rest.substr(comma + 1);
       rest = rest.substr(0, comma);
+      if (q_text.empty()) return bad("the quorum after ',' is missing");
     }
     auto d = ParseUnsigned("delay bound", rest, UINT32_MAX - 1);
     if (!d.ok()) return bad(d.status().message());

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -86,7 +87,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   std::vector<RoundRecord> history() const override {
     std::lock_guard lock(mu_);
-    return history_;
+    return {history_.begin(), history_.end()};
   }
 
   // --- TransportHandler ---------------------------------------------------------------
@@ -368,6 +369,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       Audit(rec);
       history_.push_back(std::move(rec));
+      if (history_.size() > kMaxHistory) history_.pop_front();
     }
     for (const GateRelease& g : rule_.TakeGateReleases()) {
       auto wit = workers_.find(g.worker);
@@ -467,7 +469,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   int final_frames_in_flight_ = 0;
   Status result_;
   SchedulerStats counters_;
-  std::vector<RoundRecord> history_;
+  // The newest decisions, for tests and diagnostics; the audit log keeps all of them.
+  static constexpr size_t kMaxHistory = size_t{1} << 16;
+  std::deque<RoundRecord> history_;
   std::FILE* audit_ = nullptr;
   std::vector<std::byte> meta_buf_;
   std::thread monitor_;

@@ -1,0 +1,128 @@
+// Configuration: sync modes, optimizers, sizes, the environment bootstrap and validation.
+#include <gtest/gtest.h>
+
+#include "dsync/config.h"
+
+namespace dsync {
+namespace {
+
+TEST(SyncModeParse, AcceptsEveryModeOfTheDesign) {
+  EXPECT_EQ(SyncMode::Parse("bsp").value(), SyncMode::Bsp());
+  EXPECT_EQ(SyncMode::Parse("asp").value(), SyncMode::Asp());
+  EXPECT_EQ(SyncMode::Parse("ssp:3").value(), SyncMode::Ssp(3));
+  const SyncMode d = SyncMode::Parse("dsync:2").value();
+  EXPECT_EQ(d.kind, SyncKind::kRound);
+  EXPECT_EQ(d.bound, 2u);
+  EXPECT_EQ(d.quorum, SyncMode::kAll);
+  const SyncMode dq = SyncMode::Parse("dsync:2,3").value();
+  EXPECT_EQ(dq.bound, 2u);
+  EXPECT_EQ(dq.quorum, 3u);
+  // D = 0 forces the quorum to all: dsync:0 is bsp.
+  EXPECT_EQ(SyncMode::Parse("dsync:0,1").value(), SyncMode::Bsp());
+  EXPECT_EQ(SyncMode::Parse("dsync:0").value().ToString(), "bsp");
+}
+
+TEST(SyncModeParse, RoundTripsThroughText) {
+  for (const char* text : {"bsp", "asp", "ssp:0", "ssp:7", "dsync:1", "dsync:4,2"}) {
+    EXPECT_EQ(SyncMode::Parse(text).value().ToString(), text);
+  }
+}
+
+TEST(SyncModeParse, RejectsMalformedModesWithTheAcceptedForms) {
+  for (const char* text : {"", "bsp:1", "dsync", "dsync:", "dsync:x", "dsync:2,0", "dsync:2,",
+                           "ssp:", "ssp:-1", "dsync:99999999999", "async"}) {
+    auto r = SyncMode::Parse(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find("expected bsp, dsync:K, dsync:K,Q, ssp:K or asp"),
+              std::string::npos)
+        << r.status().message();
+  }
+  auto adaptive = SyncMode::Parse("dsync:auto");
+  ASSERT_FALSE(adaptive.ok());
+  EXPECT_EQ(adaptive.status().code(), StatusCode::kUnimplemented);
+}
+
+TEST(ConfigEnvironment, ReadsDsyncVariables) {
+  auto c = Config::FromEnvironment({{"DSYNC_ROLE", "server"},
+                                    {"DSYNC_SCHEDULER_URI", "10.0.0.5"},
+                                    {"DSYNC_SCHEDULER_PORT", "7000"},
+                                    {"DSYNC_NUM_SERVERS", "3"},
+                                    {"DSYNC_NUM_WORKERS", "8"},
+                                    {"DSYNC_SYNC", "dsync:2,6"},
+                                    {"DSYNC_OPTIMIZER", "adam"},
+                                    {"DSYNC_LR", "0.001"},
+                                    {"DSYNC_SLICE_BYTES", "1M"},
+                                    {"DSYNC_TOKEN", "s3cret"},
+                                    {"DSYNC_INTERFACE", "0.0.0.0"},
+                                    {"DSYNC_HEARTBEAT_TIMEOUT_MS", "9000"}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->role, Role::kServer);
+  EXPECT_EQ(c->scheduler_host, "10.0.0.5");
+  EXPECT_EQ(c->scheduler_port, 7000);
+  EXPECT_EQ(c->num_servers, 3u);
+  EXPECT_EQ(c->num_workers, 8u);
+  EXPECT_EQ(c->sync, SyncMode::Dsync(2, 6));
+  EXPECT_EQ(c->optimizer.kind, OptimizerKind::kAdam);
+  EXPECT_FLOAT_EQ(c->optimizer.lr, 0.001f);
+  EXPECT_EQ(c->slice_bytes, 1u << 20);
+  EXPECT_EQ(c->token, "s3cret");
+  EXPECT_EQ(c->bind_host, "0.0.0.0");
+  EXPECT_EQ(c->heartbeat_timeout_ms, 9000u);
+  EXPECT_TRUE(c->Validate().ok());
+}
+
+TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
+  auto c = Config::FromEnvironment({{"DMLC_ROLE", "worker"},
+                                    {"DMLC_PS_ROOT_URI", "host-a"},
+                                    {"DMLC_PS_ROOT_PORT", "8000"},
+                                    {"DMLC_NUM_SERVER", "2"},
+                                    {"DMLC_NUM_WORKER", "5"},
+                                    {"DSYNC_NUM_WORKERS", "6"}});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->role, Role::kWorker);
+  EXPECT_EQ(c->scheduler_host, "host-a");
+  EXPECT_EQ(c->scheduler_port, 8000);
+  EXPECT_EQ(c->num_servers, 2u);
+  EXPECT_EQ(c->num_workers, 6u);
+}
+
+TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
+  auto port = Config::FromEnvironment({{"DSYNC_SCHEDULER_PORT", "70000"}});
+  ASSERT_FALSE(port.ok());
+  EXPECT_NE(port.status().message().find("DSYNC_SCHEDULER_PORT"), std::string::npos);
+  auto servers = Config::FromEnvironment({{"DSYNC_NUM_SERVERS", "two"}});
+  ASSERT_FALSE(servers.ok());
+  EXPECT_NE(servers.status().message().find("DSYNC_NUM_SERVERS"), std::string::npos);
+  auto role = Config::FromEnvironment({{"DSYNC_ROLE", "master"}});
+  ASSERT_FALSE(role.ok());
+  EXPECT_NE(role.status().message().find("scheduler, server, worker"), std::string::npos);
+  auto lr = Config::FromEnvironment({{"DSYNC_LR", "fast"}});
+  ASSERT_FALSE(lr.ok());
+  EXPECT_NE(lr.status().message().find("DSYNC_LR"), std::string::npos);
+  auto opt = Config::FromEnvironment({{"DSYNC_OPTIMIZER", "lamb"}});
+  ASSERT_FALSE(opt.ok());
+  EXPECT_NE(opt.status().message().find("sgd, momentum, adam, sum"), std::string::npos);
+}
+
+TEST(ConfigValidate, RefusesWhatCannotRun) {
+  Config c;
+  c.num_servers = 0;
+  EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
+  c = Config();
+  c.heartbeat_timeout_ms = c.heartbeat_interval_ms;
+  EXPECT_NE(c.Validate().message().find("heartbeat timeout"), std::string::npos);
+  c = Config();
+  c.transport = "rdma";
+  EXPECT_EQ(c.Validate().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(c.Validate().message().find("--transport tcp"), std::string::npos);
+  c = Config();
+  c.store = "cuda";
+  EXPECT_NE(c.Validate().message().find("--store cpu"), std::string::npos);
+  c = Config();
+  c.slice_bytes = 2;
+  EXPECT_FALSE(c.Validate().ok());
+}
+
+}  // namespace
+}  // namespace dsync
