@@ -258,14 +258,15 @@ class DoneTracker {
  public:
   explicit DoneTracker(size_t n) : calls_(n), codes_(n, StatusCode::kOk) {}
   SendDone For(size_t i) {
-    return [this, i](const Status& st) {
-      std::lock_guard lock(mu_);
-      ++calls_[i];
-      codes_[i] = st.code();
-      if (st.ok()) ++ok_;
-      ++total_;
-      cv_.notify_all();
-    };
+    return [this, i](const Status& st) { Record(i, st); };
+  }
+  void Record(size_t i, const Status& st) {
+    std::lock_guard lock(mu_);
+    ++calls_[i];
+    codes_[i] = st.code();
+    if (st.ok()) ++ok_;
+    ++total_;
+    cv_.notify_all();
   }
   bool WaitAll(Clock::duration timeout = kWait) {
     std::unique_lock lock(mu_);
@@ -543,11 +544,10 @@ TEST_P(TransportTest, SendDoneOncePerFrameAndBufferReusableAfterIt) {
     Fill(buffer.data(), kBytes, static_cast<uint32_t>(i));
     std::promise<Status> sent;
     auto fut = sent.get_future();
-    SendDone d = done.For(i);
     ASSERT_TRUE(client_
                     ->Send(cp, TestHeader(MsgType::kPush, i), {}, buffer.data(), kBytes,
-                           [&sent, d](const Status& st) {
-                             d(st);
+                           [&sent, &done, i](const Status& st) {
+                             done.Record(i, st);
                              sent.set_value(st);
                            })
                     .ok());

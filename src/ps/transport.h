@@ -12,11 +12,11 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <string>
 
 #include "dsync/status.h"
+#include "ps/inline_callback.h"
 #include "ps/protocol.h"
 
 namespace dsync::ps {
@@ -25,8 +25,9 @@ using PeerId = uint64_t;  // a connection, unique for the transport's lifetime
 constexpr PeerId kNoPeer = 0;
 
 // Called exactly once when a send accepted by Send() has left the payload buffer (OK) or
-// can no longer be delivered (peer gone, shutdown). Runs on a transport thread.
-using SendDone = std::function<void(const Status&)>;
+// can no longer be delivered (peer gone, shutdown). Runs on a transport thread. Inline
+// storage: a send never allocates for its completion.
+using SendDone = InlineCallback<void(const Status&), 32>;
 
 class TransportHandler {
  public:
