@@ -105,6 +105,29 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
   EXPECT_NE(opt.status().message().find("sgd, momentum, adam, sum"), std::string::npos);
 }
 
+TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
+  auto role_of = [](const char* rank_var, const char* rank) {
+    auto c = Config::FromEnvironment({{rank_var, rank}, {"SLURM_NTASKS", "7"},
+                                      {"OMPI_COMM_WORLD_SIZE", "7"}, {"DSYNC_NUM_SERVERS", "2"}});
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->num_workers, 4u);
+    return c->role;
+  };
+  EXPECT_EQ(role_of("SLURM_PROCID", "0"), Role::kScheduler);
+  EXPECT_EQ(role_of("SLURM_PROCID", "2"), Role::kServer);
+  EXPECT_EQ(role_of("SLURM_PROCID", "3"), Role::kWorker);
+  EXPECT_EQ(role_of("OMPI_COMM_WORLD_RANK", "1"), Role::kServer);
+  EXPECT_EQ(role_of("OMPI_COMM_WORLD_RANK", "6"), Role::kWorker);
+  // An explicit role wins.
+  auto c = Config::FromEnvironment({{"SLURM_PROCID", "0"}, {"DSYNC_ROLE", "worker"}});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->role, Role::kWorker);
+  auto too_few = Config::FromEnvironment({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
+                                          {"DSYNC_NUM_SERVERS", "1"}});
+  ASSERT_FALSE(too_few.ok());
+  EXPECT_NE(too_few.status().message().find("at least 3 tasks"), std::string::npos);
+}
+
 TEST(ConfigValidate, RefusesWhatCannotRun) {
   Config c;
   c.num_servers = 0;

@@ -1,6 +1,7 @@
 // dsyncps: run a whole cluster on this machine (`local`), or one role of a cluster
 // (`scheduler`, `server`, `worker`) configured by flags or by DSYNC_* environment variables
-// (ps-lite's DMLC_* names work too). With no subcommand, DSYNC_ROLE picks the role.
+// (ps-lite's DMLC_* names work too). With no subcommand, DSYNC_ROLE picks the role, or
+// under srun/mpirun the task rank does.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -99,8 +100,12 @@ int main(int argc, char** argv) {
     }
     return dsync::app::RunLocal(SelfPath(argv[0]), local, config, train);
   }
-  if (!sched->parsed() && !server->parsed() && !worker->parsed() &&
-      !std::getenv("DSYNC_ROLE") && !std::getenv("DMLC_ROLE")) {
+  bool role_from_env = false;
+  for (const char* v : {"DSYNC_ROLE", "DMLC_ROLE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                        "PMI_RANK"}) {
+    role_from_env = role_from_env || std::getenv(v) != nullptr;
+  }
+  if (!sched->parsed() && !server->parsed() && !worker->parsed() && !role_from_env) {
     std::fprintf(stderr, "%s\ndsyncps: error: name a subcommand (local, scheduler, server, "
                  "worker) or set DSYNC_ROLE\n", app.help().c_str());
     return 2;

@@ -201,6 +201,24 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));
   if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
   if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
+  // Under srun or mpirun every task gets a rank: with no explicit role, rank 0 is the
+  // scheduler, the next num_servers ranks are servers and the rest workers.
+  const std::string* rank = get({"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
+  const std::string* size = get({"SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
+  if (rank && !get({"DSYNC_ROLE", "DMLC_ROLE"})) {
+    DSYNC_ASSIGN_OR_RETURN(uint64_t r, ParseUnsigned("task rank", *rank, UINT32_MAX));
+    c.role = r == 0 ? Role::kScheduler : r <= c.num_servers ? Role::kServer : Role::kWorker;
+    if (size && !get({"DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER"})) {
+      DSYNC_ASSIGN_OR_RETURN(uint64_t n, ParseUnsigned("task count", *size, UINT32_MAX));
+      if (n < 2 + uint64_t{c.num_servers}) {
+        return Error(StatusCode::kInvalidArgument,
+                     "{} tasks cannot hold a scheduler, {} server(s) and a worker; launch at "
+                     "least {} tasks or set DSYNC_NUM_SERVERS",
+                     n, c.num_servers, 2 + c.num_servers);
+      }
+      c.num_workers = static_cast<uint32_t>(n - 1 - c.num_servers);
+    }
+  }
   if (const std::string* v = get({"DSYNC_AUDIT_LOG"})) c.audit_log = *v;
   if (const std::string* v = get({"DSYNC_DUMP_MODEL"})) c.dump_model = *v;
   return c;
@@ -210,7 +228,10 @@ Result<Config> Config::FromProcessEnvironment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e && *e; ++e) {
     std::string_view kv(*e);
-    if (!kv.starts_with("DSYNC_") && !kv.starts_with("DMLC_")) continue;
+    if (!kv.starts_with("DSYNC_") && !kv.starts_with("DMLC_") && !kv.starts_with("SLURM_") &&
+        !kv.starts_with("OMPI_COMM_WORLD_") && !kv.starts_with("PMI_")) {
+      continue;
+    }
     const auto eq = kv.find('=');
     if (eq == std::string_view::npos) continue;
     env.emplace(std::string(kv.substr(0, eq)), std::string(kv.substr(eq + 1)));

@@ -117,7 +117,7 @@ bool TokenMatches(const std::string& expected, const std::string& presented) {
 }
 
 Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& error,
-                 const FrameHeader& about) {
+                 const FrameHeader& about, bool close_after) {
   FrameHeader h = MakeHeader(MsgType::kError, self);
   h.status = static_cast<uint16_t>(error.code());
   h.request = about.request;
@@ -126,7 +126,14 @@ Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& e
   h.round = about.type;  // which kind of request was refused
   const std::string& text = error.message();
   const size_t n = std::min<size_t>(text.size(), kMaxMetaBytes);
-  return transport.Send(peer, h, AsBytes(std::string_view(text).substr(0, n)), nullptr, 0);
+  SendDone then;
+  if (close_after) {
+    then = [t = &transport, peer](const Status&) { t->Close(peer); };
+  }
+  Status st = transport.Send(peer, h, AsBytes(std::string_view(text).substr(0, n)), nullptr, 0,
+                             std::move(then));
+  if (!st.ok() && close_after) transport.Close(peer);
+  return st;
 }
 
 Status SendControl(Transport& transport, PeerId peer, const FrameHeader& header) {

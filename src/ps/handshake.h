@@ -51,9 +51,11 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);
 // Compares tokens in time independent of where they differ.
 bool TokenMatches(const std::string& expected, const std::string& presented);
 
-// Sends a kError frame answering `about` (request, tensor and slice echoed).
+// Sends a kError frame answering `about` (request, tensor and slice echoed). With
+// `close_after`, the connection is dropped once the frame has left: closing at once would
+// discard it from the send queue and leave the peer guessing why it was cut off.
 Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& error,
-                 const FrameHeader& about);
+                 const FrameHeader& about, bool close_after = false);
 // Sends a frame without payload or metadata.
 Status SendControl(Transport& transport, PeerId peer, const FrameHeader& header);
 

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "ps/backends.h"
 #include "ps/handshake.h"
@@ -99,6 +100,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void*) override {
     std::lock_guard lock(mu_);
+    if (doomed_.contains(peer)) return;
     if (h.payload_len != 0) {
       Refuse(peer, h, Error(StatusCode::kProtocol, "the scheduler takes no payloads"), true);
       return;
@@ -118,6 +120,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   void OnDisconnected(PeerId peer, const Status& why) override {
     std::lock_guard lock(mu_);
+    doomed_.erase(peer);
     auto it = peers_.find(peer);
     if (it == peers_.end()) return;
     const PeerInfo info = it->second;
@@ -156,8 +159,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
     spdlog::warn("scheduler: refusing {} from {}: {}", MsgTypeName(about.msg_type()),
                  transport_->PeerAddress(peer), error.message());
-    (void)SendError(*transport_, peer, kSchedulerId, error, about);
-    if (drop) transport_->Close(peer);
+    if (drop) doomed_.insert(peer);  // ignore it until it is gone
+    (void)SendError(*transport_, peer, kSchedulerId, error, about, /*close_after=*/drop);
   }
 
   void HandleHello(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
@@ -458,6 +461,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::condition_variable cv_;
   RoundRule rule_;
   std::unordered_map<PeerId, PeerInfo> peers_;
+  std::unordered_set<PeerId> doomed_;  // refused, being dropped
   std::vector<ServerEntry> servers_;  // by rank
   std::map<WorkerId, WorkerEntry> workers_;
   std::vector<std::pair<WorkerId, PeerId>> waiting_;

@@ -134,7 +134,7 @@ class ServerNode final : public Server, public TransportHandler {
   void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) override {
     if (peer == scheduler_) return nullptr;
     PeerState* ps = FindPeer(peer);
-    if (!ps) return nullptr;
+    if (!ps || ps->doomed) return nullptr;
     ps->verdict = Status::Ok();
     ps->init_exists = false;
     if (!ps->worker) {
@@ -180,7 +180,7 @@ class ServerNode final : public Server, public TransportHandler {
       return;
     }
     PeerState* ps = FindPeer(peer);
-    if (!ps) {
+    if (!ps || ps->doomed) {
       pool_.Release(payload, h.payload_len);
       return;
     }
@@ -208,6 +208,7 @@ class ServerNode final : public Server, public TransportHandler {
     WorkerId worker = 0;  // 0 until the hello is accepted
     Status verdict;       // OnHeader's judgement of the frame being read
     bool init_exists = false;
+    bool doomed = false;  // refused and being dropped: its frames are ignored
   };
   struct Staged {
     WorkerId worker;
@@ -254,11 +255,11 @@ class ServerNode final : public Server, public TransportHandler {
     ++stats_.requests_refused;
     spdlog::warn("server {}: refused {} from {}: {}", id_, MsgTypeName(about.msg_type()),
                  transport_->PeerAddress(peer), error.message());
-    (void)SendError(*transport_, peer, id_, error, about);
     if (drop) {
       ++stats_.connections_dropped;
-      transport_->Close(peer);
+      if (PeerState* ps = FindPeer(peer)) ps->doomed = true;  // ignore it until it is gone
     }
+    (void)SendError(*transport_, peer, id_, error, about, /*close_after=*/drop);
   }
 
   // A push or pull names a slice this server holds, with the right dtype and length.
