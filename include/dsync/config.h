@@ -95,6 +95,8 @@ struct Config {
   std::string dump_model;
 
   // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults.
+  // Launched by srun or mpirun without DSYNC_ROLE, the task rank picks the role: 0 the
+  // scheduler, 1..num_servers servers, the rest workers (DSYNC_NUM_WORKERS defaults to them).
   static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);
   static Result<Config> FromProcessEnvironment();
   Status Validate() const;
