@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dsync/config.h"
+#include "net_util.h"
 
 namespace {
 
@@ -234,16 +235,10 @@ TEST_F(MultiProcess, WorkerJoinsAndAnotherLeavesWhileTrainingRuns) {
 }
 
 TEST_F(MultiProcess, RolesBootstrapFromTheEnvironmentAlone) {
-  // Find a free port for the scheduler (the launcher avoids this race with a ready pipe).
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
-  close(fd);
+  // A free port for the scheduler (the launcher avoids this race with a ready pipe).
+  const uint16_t free_port = dsync::testing::FreeLoopbackPort();
+  ASSERT_NE(free_port, 0);
+  const std::string port = std::to_string(free_port);
 
   const std::map<std::string, std::string> env = {
       {"DMLC_PS_ROOT_URI", "127.0.0.1"},  // ps-lite's names work as fallbacks

@@ -25,6 +25,7 @@
 
 #include <gtest/gtest.h>
 
+#include "net_util.h"
 #include "ps/protocol.h"
 #include "ps/transport.h"
 #include "tcp/tcp_transport.h"
@@ -847,15 +848,8 @@ TEST_P(TransportTest, CloseFromInsideOnHeaderAbandonsTheBigPayload) {
 
 TEST_P(TransportTest, ConnectToAClosedPortFailsWithinTheTimeout) {
   // A port that was free a moment ago; nothing listens there.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  const uint16_t port = ntohs(addr.sin_port);
-  close(fd);
+  const uint16_t port = dsync::testing::FreeLoopbackPort();
+  ASSERT_NE(port, 0);
 
   const auto start = Clock::now();
   auto peer = client_->Connect("127.0.0.1", port, 300);

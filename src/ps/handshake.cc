@@ -49,6 +49,15 @@ Result<Hello> DecodeHello(std::span<const std::byte> meta) {
   return h;
 }
 
+Result<Hello> AcceptHello(std::span<const std::byte> meta, const std::string& token) {
+  DSYNC_ASSIGN_OR_RETURN(Hello hello, DecodeHello(meta));
+  if (!TokenMatches(token, hello.token)) {
+    return Error(StatusCode::kPermissionDenied,
+                 "wrong cluster token; set DSYNC_TOKEN (or --token) to the job's token");
+  }
+  return hello;
+}
+
 std::string EncodeWelcome(const Welcome& w) {
   json servers = json::array();
   for (const ServerAddress& s : w.servers) {

@@ -26,6 +26,8 @@ struct Hello {
 };
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::span<const std::byte> meta);
+// Decodes a hello and checks its token: PermissionDenied, with what to set, when wrong.
+Result<Hello> AcceptHello(std::span<const std::byte> meta, const std::string& token);
 
 struct ServerAddress {
   NodeId id = 0;

@@ -169,16 +169,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
              true);
       return;
     }
-    auto hello = DecodeHello(meta);
+    auto hello = AcceptHello(meta, cfg_.token);
     if (!hello.ok()) {
       Refuse(peer, h, hello.status(), true);
-      return;
-    }
-    if (!TokenMatches(cfg_.token, hello->token)) {
-      Refuse(peer, h,
-             Error(StatusCode::kPermissionDenied,
-                   "wrong cluster token; set DSYNC_TOKEN (or --token) to the job's token"),
-             true);
       return;
     }
     if (hello->role == Role::kServer) {

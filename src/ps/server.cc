@@ -335,16 +335,9 @@ class ServerNode final : public Server, public TransportHandler {
 
   void HandleHello(PeerId peer, PeerState* ps, const FrameHeader& h,
                    std::span<const std::byte> meta) {
-    auto hello = DecodeHello(meta);
+    auto hello = AcceptHello(meta, cfg_.token);
     if (!hello.ok()) {
       Refuse(peer, h, hello.status(), true);
-      return;
-    }
-    if (!TokenMatches(cfg_.token, hello->token)) {
-      Refuse(peer, h,
-             Error(StatusCode::kPermissionDenied,
-                   "wrong cluster token; set DSYNC_TOKEN (or --token) to the job's token"),
-             true);
       return;
     }
     if (hello->role != Role::kWorker || hello->node < kFirstWorkerId) {
