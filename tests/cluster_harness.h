@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dsync/config.h"
+#include "dsync/in_process_cluster.h"
 #include "dsync/scheduler.h"
 #include "dsync/server.h"
 #include "dsync/worker.h"
@@ -34,78 +35,30 @@ inline Config TestConfig(const char* sync, uint32_t servers, uint32_t workers) {
   return c;
 }
 
+// InProcessCluster for tests: a failure to start is a test failure.
 class LocalCluster {
  public:
-  explicit LocalCluster(Config config) : config_(std::move(config)) {
-    auto sched = Scheduler::Start(config_);
-    if (!sched.ok()) {
-      ADD_FAILURE() << "scheduler: " << sched.status().ToString();
+  explicit LocalCluster(Config config) {
+    auto c = InProcessCluster::Start(std::move(config));
+    if (!c.ok()) {
+      ADD_FAILURE() << "starting the cluster: " << c.status().ToString();
       return;
     }
-    scheduler_ = std::move(sched).value();
-    config_.scheduler_port = scheduler_->port();
-    scheduler_done_ = std::async(std::launch::async, [this] { return scheduler_->Run(); });
-    // Servers register concurrently: Start blocks until the scheduler answers.
-    std::vector<std::future<Result<std::unique_ptr<Server>>>> starting;
-    for (uint32_t i = 0; i < config_.num_servers; ++i) {
-      starting.push_back(std::async(std::launch::async, [this] { return Server::Start(config_); }));
-    }
-    for (auto& f : starting) {
-      auto s = f.get();
-      if (!s.ok()) {
-        ADD_FAILURE() << "server: " << s.status().ToString();
-        continue;
-      }
-      servers_.push_back(std::move(s).value());
-    }
-    for (auto& s : servers_) {
-      Server* raw = s.get();
-      server_done_.push_back(std::async(std::launch::async, [raw] { return raw->Run(); }));
-    }
+    cluster_ = std::move(c).value();
   }
 
-  ~LocalCluster() {
-    if (scheduler_) scheduler_->Stop();
-    for (auto& s : servers_) s->Stop();
-    for (auto& f : server_done_) {
-      if (f.valid()) f.wait();
-    }
-    if (scheduler_done_.valid()) scheduler_done_.wait();
-  }
-
-  bool ok() const { return scheduler_ && servers_.size() == config_.num_servers; }
-  const Config& config() const { return config_; }
-  Config WorkerConfig() const {
-    Config c = config_;
-    c.role = Role::kWorker;
-    return c;
-  }
-  Scheduler& scheduler() { return *scheduler_; }
-  Server& server(size_t i) { return *servers_[i]; }
-  size_t num_servers() const { return servers_.size(); }
-
-  // Waits for the job to end by itself (every worker gone, every round applied).
+  bool ok() const { return cluster_ && cluster_->num_servers() == cluster_->config().num_servers; }
+  const Config& config() const { return cluster_->config(); }
+  Config WorkerConfig() const { return cluster_->WorkerConfig(); }
+  Scheduler& scheduler() { return cluster_->scheduler(); }
+  Server& server(size_t i) { return cluster_->server(i); }
+  size_t num_servers() const { return cluster_->num_servers(); }
   Status WaitFinished(std::chrono::seconds timeout = std::chrono::seconds(60)) {
-    if (scheduler_done_.wait_for(timeout) != std::future_status::ready) {
-      return Status(StatusCode::kDeadlineExceeded, "the job did not finish in time");
-    }
-    Status s = scheduler_done_.get();
-    for (auto& f : server_done_) {
-      if (f.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
-        return Status(StatusCode::kDeadlineExceeded, "a server did not stop");
-      }
-      Status st = f.get();
-      if (s.ok()) s = st;
-    }
-    return s;
+    return cluster_->WaitFinished(timeout);
   }
 
  private:
-  Config config_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::future<Status> scheduler_done_;
-  std::vector<std::unique_ptr<Server>> servers_;
-  std::vector<std::future<Status>> server_done_;
+  std::unique_ptr<InProcessCluster> cluster_;
 };
 
 // Starts n workers concurrently (they are admitted together).

@@ -53,8 +53,7 @@ Status ValidateHeader(const FrameHeader& h) {
 
 void MetaWriter::PutString(std::string_view s) {
   Put(static_cast<uint32_t>(s.size()));
-  const auto* p = reinterpret_cast<const std::byte*>(s.data());
-  out_.insert(out_.end(), p, p + s.size());
+  Append(s.data(), s.size());
 }
 
 bool MetaReader::GetString(std::string* s) {

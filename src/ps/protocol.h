@@ -103,12 +103,17 @@ class MetaWriter {
   template <typename T>
   void Put(const T& value) {
     static_assert(std::is_trivially_copyable_v<T>);
-    const auto* p = reinterpret_cast<const std::byte*>(&value);
-    out_.insert(out_.end(), p, p + sizeof(T));
+    Append(&value, sizeof(T));
   }
   void PutString(std::string_view s);
 
  private:
+  void Append(const void* p, size_t n) {
+    const size_t at = out_.size();
+    out_.resize(at + n);
+    std::memcpy(out_.data() + at, p, n);
+  }
+
   std::vector<std::byte>& out_;
 };
 
