@@ -74,6 +74,22 @@ bool ParseIndexed(const std::string& spec, uint32_t limit, uint32_t* index, std:
   return true;
 }
 
+// Every "I=VALUE" of a repeated flag; false (after saying why) on a malformed one.
+bool ParseIndexedAll(const std::vector<std::string>& specs, uint32_t limit, const char* flag,
+                     const char* what, std::map<uint32_t, std::string>* out) {
+  for (const std::string& spec : specs) {
+    uint32_t i = 0;
+    std::string v;
+    if (!ParseIndexed(spec, limit, &i, &v)) {
+      std::fprintf(stderr, "dsyncps: error: %s '%s' is not WORKER=%s with WORKER < %u\n", flag,
+                   spec.c_str(), what, limit);
+      return false;
+    }
+    (*out)[i] = v;
+  }
+  return true;
+}
+
 // fork + exec of `self` with the given arguments and extra environment; the child's stdout
 // and stderr go to a pipe returned in *out. `ready_fd` (or -1) is passed on as fd 3.
 pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
@@ -171,28 +187,17 @@ std::string Describe(int status) {
 int RunLocal(const std::string& self, const LocalOptions& local, const Config& job,
              const TrainOptions& train) {
   // Joiners and per-worker flags.
+  std::map<uint32_t, std::string> join_spec, extra_spec;
+  if (!ParseIndexedAll(local.join, local.workers, "--join", "MILLISECONDS", &join_spec) ||
+      !ParseIndexedAll(local.worker_extra, local.workers, "--worker-flags", "FLAGS", &extra_spec)) {
+    return 2;
+  }
   std::map<uint32_t, uint32_t> join_ms;
-  std::map<uint32_t, std::vector<std::string>> extra;
-  for (const std::string& spec : local.join) {
-    uint32_t i = 0;
-    std::string v;
-    if (!ParseIndexed(spec, local.workers, &i, &v)) {
-      std::fprintf(stderr, "dsyncps: error: --join '%s' is not WORKER=MILLISECONDS with WORKER < %u\n",
-                   spec.c_str(), local.workers);
-      return 2;
-    }
+  for (const auto& [i, v] : join_spec) {
     join_ms[i] = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
   }
-  for (const std::string& spec : local.worker_extra) {
-    uint32_t i = 0;
-    std::string v;
-    if (!ParseIndexed(spec, local.workers, &i, &v)) {
-      std::fprintf(stderr, "dsyncps: error: --worker-flags '%s' is not WORKER=FLAGS with WORKER < %u\n",
-                   spec.c_str(), local.workers);
-      return 2;
-    }
-    for (std::string& w : SplitWords(v)) extra[i].push_back(std::move(w));
-  }
+  std::map<uint32_t, std::vector<std::string>> extra;
+  for (const auto& [i, v] : extra_spec) extra[i] = SplitWords(v);
   if (join_ms.size() >= local.workers) {
     std::fprintf(stderr, "dsyncps: error: at least one worker must start the job (not join it)\n");
     return 2;
