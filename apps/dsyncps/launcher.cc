@@ -163,7 +163,7 @@ void Relay(Child& c, bool flush) {
   for (size_t nl; (nl = c.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
     const std::string_view line(c.partial.data() + start, nl - start);
     std::printf("[%s] %.*s\n", c.name.c_str(), static_cast<int>(line.size()), line.data());
-    if (c.is_worker && (line.find("final loss") != std::string_view::npos ||
+    if (c.is_worker && (line.find("final ") != std::string_view::npos ||
                         line.find("completed") != std::string_view::npos)) {
       c.result = std::string(line);
     }
@@ -233,6 +233,9 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
       "--dim",       std::to_string(train.dim),
       "--samples",   std::to_string(train.samples),
       "--tensor-elems", std::to_string(train.tensor_elems),
+      "--data-dir",  train.data_dir,
+      "--eval-every", std::to_string(train.eval_every),
+      "--eval-samples", std::to_string(train.eval_samples),
       "--seed",      std::to_string(train.seed),
       "--compute-ms", fmt::format("{}", train.compute_ms),
       "--log-every", std::to_string(train.log_every)};

@@ -22,7 +22,15 @@ using dsync::app::TrainOptions;
 void AddTrainFlags(CLI::App& app, TrainOptions& t) {
   // A launcher appends per-worker flags after the common ones: the last one wins.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--model", t.model, "built-in model: linreg | count")->capture_default_str();
+  app.add_option("--model", t.model, "built-in model: mlp (Fashion-MNIST) | linreg | count")
+      ->capture_default_str();
+  app.add_option("--data-dir", t.data_dir, "mlp: folder of the Fashion-MNIST *-ubyte.gz files")
+      ->capture_default_str();
+  app.add_option("--eval-every", t.eval_every, "mlp: test accuracy every N iterations")
+      ->capture_default_str();
+  app.add_option("--eval-samples", t.eval_samples, "mlp: test samples per evaluation (0: all)")
+      ->capture_default_str();
+  app.add_option("--shards", t.shards, "mlp: data shards (default: the job's initial workers)");
   app.add_option("--iters", t.iters, "training iterations per worker")->capture_default_str();
   app.add_option("--batch", t.batch, "minibatch size")->capture_default_str();
   app.add_option("--dim", t.dim, "linreg: features")->capture_default_str();

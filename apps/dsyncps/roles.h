@@ -18,12 +18,16 @@ int RunScheduler(const Config& config);
 int RunServer(const Config& config);
 
 struct TrainOptions {
-  std::string model = "linreg";  // linreg | count
+  std::string model = "linreg";  // mlp (Fashion-MNIST) | linreg | count
   uint32_t iters = 100;
   uint32_t batch = 32;
   uint32_t dim = 256;
   uint32_t samples = 8192;
   uint32_t tensor_elems = 1 << 16;  // count model
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";  // mlp
+  uint32_t eval_every = 50;         // mlp: test accuracy every N iterations (worker of shard 0)
+  uint32_t eval_samples = 2000;     // mlp: test samples per periodic evaluation (0: all)
+  uint32_t shards = 0;              // mlp: data shards (0: the job's initial worker count)
   uint32_t seed = 1;
   double compute_ms = 0;     // extra simulated compute time per iteration
   double slow = 1;           // straggler: compute time multiplied by this

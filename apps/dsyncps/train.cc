@@ -14,7 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include <cblas.h>
+
 #include "dsync/worker.h"
+#include "mlp_train.h"
 #include "roles.h"
 
 namespace dsync::app {
@@ -205,17 +208,62 @@ int TrainCount(Worker& w, const TrainOptions& t) {
   return 0;
 }
 
+int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers) {
+  const WorkerId me = w.job().worker_id;
+  auto train = train::LoadFashionMnist(t.data_dir, "train");
+  if (!train.ok()) return Fail(train.status());
+  auto test = train::LoadFashionMnist(t.data_dir, "t10k");
+  if (!test.ok()) return Fail(test.status());
+  train::MlpTrainOptions o;
+  o.iterations = t.iters;
+  o.batch = t.batch;
+  o.seed = t.seed;
+  o.shards = t.shards ? t.shards : std::max<uint32_t>(1, initial_workers);
+  o.shard = (me - kFirstWorkerId) % o.shards;
+  o.eval_every = o.shard == 0 ? t.eval_every : 0;  // one worker watches the test accuracy
+  o.eval_samples = t.eval_samples;
+  o.compute_ms = t.compute_ms;
+  o.slow = t.slow;
+  auto report = train::TrainMlp(w, *train, *test, o, [&](const train::Progress& p) {
+    if (p.eval) {
+      std::printf("worker %u: iter %u version %llu test accuracy %.4f (loss %.4f, %u samples, "
+                  "%.1f s)\n",
+                  me, p.eval->iteration, static_cast<unsigned long long>(p.eval->version),
+                  p.eval->eval.accuracy, p.eval->eval.loss, p.eval->eval.samples,
+                  p.eval->seconds);
+    }
+    if (t.log_every && (p.iteration % t.log_every == 0 || p.iteration == t.iters)) {
+      std::printf("worker %u: iter %u/%u version %llu minibatch loss %.4f\n", me, p.iteration,
+                  t.iters, static_cast<unsigned long long>(p.version),
+                  static_cast<double>(p.loss));
+    }
+    std::fflush(stdout);
+  });
+  if (!report.ok()) return Fail(report.status());
+  std::printf("worker %u: final test accuracy %.4f, loss %.4f at version %llu after %u "
+              "iterations (%.1f s, shard %u of %u)\n",
+              me, report->final_eval.accuracy, report->final_eval.loss,
+              static_cast<unsigned long long>(report->final_version), report->iterations,
+              report->seconds, o.shard, o.shards);
+  std::fflush(stdout);
+  return 0;
+}
+
 }  // namespace
 
 int RunWorker(const Config& config, const TrainOptions& t) {
-  if (t.model != "linreg" && t.model != "count") {
-    return Fail(Error(StatusCode::kInvalidArgument, "model '{}' is not one of linreg, count",
-                      t.model));
+  if (t.model != "linreg" && t.model != "count" && t.model != "mlp") {
+    return Fail(Error(StatusCode::kInvalidArgument,
+                      "model '{}' is not one of mlp, linreg, count", t.model));
   }
+  // Several workers share this machine's cores: one BLAS thread each.
+  openblas_set_num_threads(1);
   auto worker = Worker::Start(config);
   if (!worker.ok()) return Fail(worker.status());
   Worker& w = **worker;
-  const int rc = t.model == "linreg" ? TrainLinear(w, t) : TrainCount(w, t);
+  const int rc = t.model == "mlp"      ? TrainFashionMnist(w, t, config.num_workers)
+                 : t.model == "linreg" ? TrainLinear(w, t)
+                                       : TrainCount(w, t);
   if (rc != 0) return rc;
   if (Status s = w.Leave(); !s.ok()) return Fail(s);
   return 0;

@@ -1,0 +1,57 @@
+// Data-parallel training of the MLP through the parameter server: one worker's loop.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "dsync/worker.h"
+#include "fashion_mnist.h"
+#include "mlp.h"
+
+namespace dsync::train {
+
+struct MlpTrainOptions {
+  std::vector<uint32_t> hidden = {256, 128};
+  uint32_t iterations = 300;
+  uint32_t batch = 64;
+  uint32_t seed = 1;          // model initialization: the same on every worker
+  uint32_t shard = 0;         // this worker trains on samples i with i % shards == shard
+  uint32_t shards = 1;
+  uint32_t eval_every = 50;   // iterations between test evaluations (0: only at the end)
+  uint32_t eval_samples = 0;  // test samples per evaluation (0: all 10000)
+  double compute_ms = 0;      // extra simulated compute per iteration (scaled by slow)
+  double slow = 1;
+};
+
+struct EvalPoint {
+  uint32_t iteration = 0;
+  Version version = 0;
+  double seconds = 0;  // since training started
+  Evaluation eval;
+};
+
+struct Progress {
+  uint32_t iteration = 0;
+  Version version = 0;
+  float loss = 0;          // minibatch loss
+  const EvalPoint* eval;   // the newest evaluation finished since the last report, or null
+};
+
+struct MlpTrainReport {
+  uint32_t iterations = 0;
+  Version final_version = 0;
+  Evaluation final_eval;
+  std::vector<EvalPoint> evals;
+  double seconds = 0;
+};
+
+// Registers the model's tensors (initial values from the seed), then trains: pull, gradient
+// on the next minibatch of this worker's shard, push. Test accuracy is measured on a
+// snapshot of the parameters by a background thread, so evaluation does not stall
+// training. `progress` (optional) is called after every iteration.
+Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Dataset& test,
+                                const MlpTrainOptions& options,
+                                const std::function<void(const Progress&)>& progress = {});
+
+}  // namespace dsync::train
