@@ -107,7 +107,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       Status st = transport_->Send(servers_[s.server], h, meta, init.data() + s.offset,
                                    s.elements * sizeof(float));
       if (!st.ok()) {
-        FailOp(op, st);
+        FinishOp(op, st);
         break;
       }
     }
@@ -135,7 +135,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     const Clock push_clock = clock_;
     if (Status st = CheckPush(tensor); !st.ok()) {
       const uint32_t op = NewOp(OpKind::kPull, tensor);
-      FailOp(op, st);
+      FinishOp(op, st);
       return HandleOf(op);
     }
     PushLocked(tensor, grad, /*detached=*/true);
@@ -147,7 +147,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     std::lock_guard lock(mu_);
     const uint32_t op = NewOp(OpKind::kAdvance, 0);
     if (!broken_.ok()) {
-      FailOp(op, broken_);
+      FinishOp(op, broken_);
       return HandleOf(op);
     }
     ClockState& cs = CurrentClockState();
@@ -188,11 +188,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   Status Leave() override {
     std::unique_lock lock(mu_);
     if (left_) return Status::Ok();
-    if (pushed_count_ > 0) {  // commit what was pushed: a pushed gradient is never lost
-      ClockState& cs = CurrentClockState();
-      (void)cs;
-      CompleteClock();
-    }
+    if (pushed_count_ > 0) CompleteClock();  // commit what was pushed: never lost
     cv_.wait(lock, [&] { return clocks_.empty() || !broken_.ok(); });
     DSYNC_RETURN_IF_ERROR(broken_);
     leaving_ = true;
@@ -379,8 +375,6 @@ class WorkerNode final : public Worker, public TransportHandler {
     cv_.notify_all();
   }
 
-  void FailOp(uint32_t op, const Status& st) { FinishOp(op, st); }
-
   Status WaitLocked(std::unique_lock<std::mutex>& lock, uint32_t op, Version* version) {
     const Op& o = ops_[op];
     if (!o.done && o.kind == OpKind::kPush && o.clock == clock_) {
@@ -432,7 +426,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     ops_[op].clock = clock_;
     Status st = CheckPush(tensor);
     if (!st.ok()) {
-      FailOp(op, st);
+      FinishOp(op, st);
       return HandleOf(op);
     }
     ops_[op].detached = detached;
@@ -465,7 +459,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     o.version = std::numeric_limits<Version>::max();
     Status st = CheckTensor(tensor);
     if (!st.ok()) {
-      FailOp(op, st);
+      FinishOp(op, st);
       return HandleOf(op);
     }
     o.outstanding = static_cast<uint32_t>(tensors_[tensor].layout.slices.size());
@@ -563,8 +557,6 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     const ClockState cs = clocks_.front();
     clocks_.erase(clocks_.begin());
-    ++commits_;
-    last_round_ = h.round;
     for (uint32_t i = 0; i < ops_.size(); ++i) {
       Op& o = ops_[i];
       if (o.in_use && !o.done && o.kind == OpKind::kPush && o.clock == cs.clock) {
@@ -603,7 +595,6 @@ class WorkerNode final : public Worker, public TransportHandler {
       // Freshness (invariant 3) says this cannot happen; make it loud if it does.
       spdlog::error("worker {}: tensor {} slice {} went back from version {} to {}",
                     job_.worker_id, o.tensor, h.slice, t.slice_version[h.slice], h.aux);
-      ++version_regressions_;
     }
     t.slice_version[h.slice] = std::max(t.slice_version[h.slice], h.aux);
     o.version = std::min(o.version, h.aux);
@@ -641,7 +632,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       return;
     }
     const uint32_t op = OpOf(h.request);
-    if (op != kNoOp) FailOp(op, st);
+    if (op != kNoOp) FinishOp(op, st);
   }
 
   // A failure the worker cannot continue past: every pending operation fails with it.
@@ -711,9 +702,6 @@ class WorkerNode final : public Worker, public TransportHandler {
   Version base_ = 0;
   uint32_t pushed_count_ = 0;
   uint32_t pulled_count_ = 0;
-  uint64_t commits_ = 0;
-  Round last_round_ = 0;
-  uint64_t version_regressions_ = 0;
   std::thread heartbeat_;
 };
 
