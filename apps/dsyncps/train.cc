@@ -18,6 +18,7 @@
 
 #include "dsync/worker.h"
 #include "mlp_train.h"
+#include "worker_io.h"
 #include "roles.h"
 
 namespace dsync::app {
@@ -26,11 +27,6 @@ namespace {
 int Fail(const Status& status) {
   std::fprintf(stderr, "dsyncps: error: %s\n", status.ToString().c_str());
   return 1;
-}
-
-void SimulateCompute(const TrainOptions& t) {
-  const double ms = t.compute_ms * t.slow;
-  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
 }
 
 // Failure injection for tests: stdout is flushed first so what was reported survives.
@@ -97,25 +93,6 @@ class LinearProblem {
   std::vector<float> x_, y_;
 };
 
-Status PullAll(Worker& w, const std::vector<std::pair<TensorId, float*>>& tensors, Version* v) {
-  std::vector<Handle> handles;
-  for (const auto& [id, out] : tensors) handles.push_back(w.Pull(id, out));
-  *v = ~Version{0};
-  for (Handle h : handles) {
-    Version tv = 0;
-    DSYNC_RETURN_IF_ERROR(w.Wait(h, &tv));
-    *v = std::min(*v, tv);
-  }
-  return Status::Ok();
-}
-
-Status PushAll(Worker& w, const std::vector<std::pair<TensorId, const float*>>& tensors) {
-  std::vector<Handle> handles;
-  for (const auto& [id, grad] : tensors) handles.push_back(w.Push(id, grad));
-  for (Handle h : handles) DSYNC_RETURN_IF_ERROR(w.Wait(h));
-  return Status::Ok();
-}
-
 int TrainLinear(Worker& w, const TrainOptions& t) {
   const WorkerId me = w.job().worker_id;
   const LinearProblem problem(t.dim, t.samples, t.seed);
@@ -125,6 +102,9 @@ int TrainLinear(Worker& w, const TrainOptions& t) {
   if (!tw.ok()) return Fail(tw.status());
   auto tb = w.Register("linear.bias", {&bias, 1});
   if (!tb.ok()) return Fail(tb.status());
+  const TensorId linear_ids[] = {*tw, *tb};
+  float* const linear_out[] = {params.data(), &bias};
+  const float* const linear_grads[] = {grad.data(), &gbias};
   std::mt19937 rng(t.seed * 7919u + me);
   std::uniform_int_distribution<uint32_t> pick(0, problem.samples() - 1);
   std::vector<uint32_t> rows(t.batch);
@@ -132,7 +112,7 @@ int TrainLinear(Worker& w, const TrainOptions& t) {
   Version version = 0;
   uint32_t completed = 0;
   for (uint32_t it = 0; it < t.iters; ++it) {
-    if (Status s = PullAll(w, {{*tw, params.data()}, {*tb, &bias}}, &version); !s.ok()) {
+    if (Status s = train::PullAll(w, linear_ids, linear_out, &version); !s.ok()) {
       return Fail(s);
     }
     if (static_cast<int64_t>(it) == t.hang_at_iter) {
@@ -142,13 +122,13 @@ int TrainLinear(Worker& w, const TrainOptions& t) {
     }
     for (uint32_t& r : rows) r = pick(rng);
     const float loss = problem.Gradient(params, bias, rows, grad, gbias);
-    SimulateCompute(t);
+    train::SimulateCompute(t.compute_ms * t.slow);
     if (static_cast<int64_t>(it) == t.kill_at_iter && t.kill_point == "mid-push") {
       w.Push(*tw, grad.data());
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       KillSelf("killed between two tensors of a push", completed);
     }
-    if (Status s = PushAll(w, {{*tw, grad.data()}, {*tb, &gbias}}); !s.ok()) return Fail(s);
+    if (Status s = train::PushAll(w, linear_ids, linear_grads); !s.ok()) return Fail(s);
     ++completed;
     if (static_cast<int64_t>(it) == t.kill_at_iter) KillSelf("killed after a push", completed);
     if (t.log_every && (it % t.log_every == 0 || it + 1 == t.iters)) {
@@ -157,7 +137,7 @@ int TrainLinear(Worker& w, const TrainOptions& t) {
       std::fflush(stdout);
     }
   }
-  if (Status s = PullAll(w, {{*tw, params.data()}, {*tb, &bias}}, &version); !s.ok()) {
+  if (Status s = train::PullAll(w, linear_ids, linear_out, &version); !s.ok()) {
     return Fail(s);
   }
   const double secs =
@@ -179,10 +159,13 @@ int TrainCount(Worker& w, const TrainOptions& t) {
   if (!ta.ok()) return Fail(ta.status());
   auto tb = w.Register("count.b", b);
   if (!tb.ok()) return Fail(tb.status());
+  const TensorId count_ids[] = {*ta, *tb};
+  float* const count_out[] = {a.data(), b.data()};
+  const float* const count_grads[] = {ones_a.data(), ones_b.data()};
   uint32_t completed = 0;
   Version version = 0;
   for (uint32_t it = 0; it < t.iters; ++it) {
-    if (Status s = PullAll(w, {{*ta, a.data()}, {*tb, b.data()}}, &version); !s.ok()) {
+    if (Status s = train::PullAll(w, count_ids, count_out, &version); !s.ok()) {
       return Fail(s);
     }
     if (static_cast<int64_t>(it) == t.hang_at_iter) {
@@ -190,13 +173,13 @@ int TrainCount(Worker& w, const TrainOptions& t) {
       std::fflush(stdout);
       raise(SIGSTOP);
     }
-    SimulateCompute(t);
+    train::SimulateCompute(t.compute_ms * t.slow);
     if (static_cast<int64_t>(it) == t.kill_at_iter && t.kill_point == "mid-push") {
       w.Push(*ta, ones_a.data());
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       KillSelf("killed between two tensors of a push", completed);
     }
-    if (Status s = PushAll(w, {{*ta, ones_a.data()}, {*tb, ones_b.data()}}); !s.ok()) {
+    if (Status s = train::PushAll(w, count_ids, count_grads); !s.ok()) {
       return Fail(s);
     }
     ++completed;

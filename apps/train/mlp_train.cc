@@ -7,6 +7,8 @@
 #include <random>
 #include <thread>
 
+#include "worker_io.h"
+
 namespace dsync::train {
 namespace {
 
@@ -107,11 +109,13 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     ids.push_back(id);
     grads.emplace_back(params[i].size());
   }
-  std::vector<const float*> pptr;
-  std::vector<float*> gptr;
+  std::vector<const float*> pptr, gconst;
+  std::vector<float*> pmut, gptr;
   for (size_t i = 0; i < params.size(); ++i) {
     pptr.push_back(params[i].data());
+    pmut.push_back(params[i].data());
     gptr.push_back(grads[i].data());
+    gconst.push_back(grads[i].data());
   }
 
   // This worker's shard, visited in a shuffled order that changes every epoch.
@@ -127,15 +131,9 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
   const auto start = SteadyClock::now();
   BackgroundEvaluator evaluator(test, sizes, o.eval_samples, model.params(), start);
   MlpTrainReport report;
-  std::vector<Handle> handles(ids.size());
   for (uint32_t it = 0; it < o.iterations; ++it) {
-    Version version = ~Version{0};
-    for (size_t i = 0; i < ids.size(); ++i) handles[i] = worker.Pull(ids[i], params[i].data());
-    for (Handle h : handles) {
-      Version v = 0;
-      DSYNC_RETURN_IF_ERROR(worker.Wait(h, &v));
-      version = std::min(version, v);
-    }
+    Version version = 0;
+    DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &version));
     if (o.eval_every && it % o.eval_every == 0) evaluator.Offer(params, it, version);
     for (uint32_t r = 0; r < o.batch; ++r) {
       if (cursor == shard.size()) {
@@ -146,24 +144,15 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     }
     Mlp::Gather(train, batch_idx.data(), o.batch, x.data(), labels.data());
     const float loss = model.Gradient(pptr, x.data(), labels.data(), o.batch, gptr);
-    const double ms = o.compute_ms * o.slow;
-    if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
-    for (size_t i = 0; i < ids.size(); ++i) handles[i] = worker.Push(ids[i], grads[i].data());
-    for (Handle h : handles) DSYNC_RETURN_IF_ERROR(worker.Wait(h));
+    SimulateCompute(o.compute_ms * o.slow);
+    DSYNC_RETURN_IF_ERROR(PushAll(worker, ids, gconst));
     report.iterations = it + 1;
     std::vector<EvalPoint> fresh = evaluator.Take();
     report.evals.insert(report.evals.end(), fresh.begin(), fresh.end());
     if (progress) progress({it + 1, version, loss, fresh.empty() ? nullptr : &report.evals.back()});
   }
   // The final model, evaluated in full.
-  Version version = ~Version{0};
-  for (size_t i = 0; i < ids.size(); ++i) handles[i] = worker.Pull(ids[i], params[i].data());
-  for (Handle h : handles) {
-    Version v = 0;
-    DSYNC_RETURN_IF_ERROR(worker.Wait(h, &v));
-    version = std::min(version, v);
-  }
-  report.final_version = version;
+  DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &report.final_version));
   report.final_eval = model.Evaluate(pptr, test);
   report.seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
   return report;
