@@ -364,8 +364,144 @@ TEST(Cluster, QuorumKeepsTheFastWorkersPaceAndAppliesEveryStragglerGradientWithi
   EXPECT_LE(max_staleness, 2u);
 }
 
+// dsync:auto finds the straggler by itself: after a few bsp rounds (measuring) the fast
+// workers keep their pace, and its gradients are applied within the maximum bound.
+TEST(Cluster, AutoFindsTheStragglerAndLetsTheFastWorkersRun) {
+  const PaceResult bsp = RunWithStraggler("bsp");
+  const PaceResult adaptive = RunWithStraggler("dsync:auto");
+  ASSERT_FALSE(HasFailure());
+  std::printf("fast workers' 30 iterations: bsp %.3f s (straggler %llu), dsync:auto %.3f s "
+              "(straggler %llu)\n",
+              bsp.fast_seconds, static_cast<unsigned long long>(bsp.slow_completed),
+              adaptive.fast_seconds, static_cast<unsigned long long>(adaptive.slow_completed));
+  EXPECT_GE(bsp.slow_completed, 29u);
+  EXPECT_LE(adaptive.slow_completed, 20u);
+  EXPECT_GE(adaptive.slow_completed, 3u);
+  uint64_t slow_applied = 0, max_staleness = 0, rounds_without_straggler = 0;
+  for (const RoundRecord& r : adaptive.history) {
+    bool has = false;
+    for (const RoundMember& m : r.members) {
+      if (m.worker != adaptive.slow_id) continue;
+      has = true;
+      ++slow_applied;
+      max_staleness = std::max<uint64_t>(max_staleness, r.round - m.base);
+    }
+    rounds_without_straggler += has ? 0 : 1;
+  }
+  EXPECT_EQ(slow_applied, adaptive.slow_completed);  // delayed, never lost
+  EXPECT_GE(rounds_without_straggler, 10u);
+  EXPECT_GE(max_staleness, 1u);
+  EXPECT_LE(max_staleness, SyncMode::kDefaultAutoMax);
+}
+
+// --- Observers and the job's gradient budget ---------------------------------------------
+
+TEST(Cluster, ObserverReadsTheNewestModelWithoutHoldingRounds) {
+  constexpr int kWorkers = 2;
+  constexpr uint32_t kIters = 25;
+  Config cfg = TestConfig("bsp", 2, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSum;
+  cfg.slice_bytes = 1024;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  Config ocfg = cluster.WorkerConfig();
+  ocfg.observer = true;
+  // The observer connects first: it must not take a worker's place or id.
+  auto observer = Worker::Start(ocfg);
+  ASSERT_TRUE(observer.ok()) << observer.status().ToString();
+  Worker& obs = **observer;
+  EXPECT_TRUE(obs.job().observer);
+  EXPECT_GE(obs.job().worker_id, kFirstObserverId);
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  EXPECT_EQ(workers[0]->job().worker_id, kFirstWorkerId);
+  SumWorker probe(obs);  // registers the same tensors
+  std::vector<std::unique_ptr<SumWorker>> sums;
+  for (auto& w : workers) sums.push_back(std::make_unique<SumWorker>(*w));
+
+  std::vector<float> ones(SumWorker::kBig, 1.0f);
+  Status refused = obs.Wait(obs.Push(0, ones.data()));
+  EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused.ToString();
+  EXPECT_EQ(obs.Wait(obs.Advance()).code(), StatusCode::kPermissionDenied);
+
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    while (!done) {
+      ASSERT_TRUE(probe.Pull());
+      // Each bsp round adds one per worker: slice values are 2 x their version, and the
+      // lowest version among the slices bounds every value from below.
+      const Version v = probe.pulls.back().second;
+      for (float x : probe.b()) EXPECT_GE(x, static_cast<float>(kWorkers * v));
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      for (uint32_t i = 0; i < kIters && sums[r]->Iterate(500us); ++i) {
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  // The newest model, as soon as it is applied: the observer never waits for a gate.
+  for (int i = 0; i < 500 && probe.pulls.back().second < kIters; ++i) {
+    std::this_thread::sleep_for(2ms);
+  }
+  done = true;
+  reader.join();
+  EXPECT_GT(probe.pulls.size(), 3u);
+  EXPECT_EQ(probe.pulls.back().second, kIters);
+  ExpectModelCounts(probe, kWorkers * kIters);
+  for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
+  // The job ends when the workers are gone, observer or not.
+  ASSERT_TRUE(cluster.WaitFinished().ok());
+  const auto history = cluster.scheduler().history();
+  ASSERT_EQ(history.size(), kIters);
+  for (const RoundRecord& r : history) EXPECT_EQ(r.live_workers, static_cast<uint32_t>(kWorkers));
+  EXPECT_EQ(cluster.scheduler().stats().workers_joined, static_cast<uint32_t>(kWorkers));
+  EXPECT_TRUE(obs.Leave().ok());
+}
+
+TEST(Cluster, GradientBudgetStopsEveryWorker) {
+  constexpr int kWorkers = 3;
+  constexpr uint64_t kBudget = 40;
+  Config cfg = TestConfig("dsync:2,2", 1, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSum;
+  cfg.slice_bytes = 1024;
+  cfg.max_gradients = kBudget;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
+  std::vector<std::unique_ptr<SumWorker>> sums;
+  for (auto& w : workers) sums.push_back(std::make_unique<SumWorker>(*w));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorkers; ++r) {
+    threads.emplace_back([&, r] {
+      // No iteration limit of their own: only the budget stops them (the test's timeout
+      // catches a worker that is never told).
+      while (!workers[r]->stop_requested() && sums[r]->Iterate(std::chrono::microseconds(500 * (r + 1)))) {
+      }
+      EXPECT_TRUE(workers[r]->Leave().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(cluster.WaitFinished().ok());
+  uint64_t total = 0;
+  for (auto& s : sums) {
+    EXPECT_GE(s->completed, 1u);
+    total += s->completed;
+  }
+  // Commits in flight when the budget ran out still count (exactly once): at most one more
+  // per worker.
+  EXPECT_GE(total, kBudget);
+  EXPECT_LE(total, kBudget + kWorkers - 1);
+  EXPECT_EQ(cluster.scheduler().stats().gradients_committed, total);
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
-                         ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp"),
+                         ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp",
+                                           "dsync:auto"),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            for (char& ch : n) {

@@ -23,24 +23,35 @@ TEST(SyncModeParse, AcceptsEveryModeOfTheDesign) {
 }
 
 TEST(SyncModeParse, RoundTripsThroughText) {
-  for (const char* text : {"bsp", "asp", "ssp:0", "ssp:7", "dsync:1", "dsync:4,2"}) {
+  for (const char* text : {"bsp", "asp", "ssp:0", "ssp:7", "dsync:1", "dsync:4,2", "dsync:auto",
+                           "dsync:auto:8"}) {
     EXPECT_EQ(SyncMode::Parse(text).value().ToString(), text);
   }
 }
 
 TEST(SyncModeParse, RejectsMalformedModesWithTheAcceptedForms) {
   for (const char* text : {"", "bsp:1", "dsync", "dsync:", "dsync:x", "dsync:2,0", "dsync:2,",
-                           "ssp:", "ssp:-1", "dsync:99999999999", "async"}) {
+                           "ssp:", "ssp:-1", "dsync:99999999999", "async", "dsync:auto:0",
+                           "dsync:auto:", "dsync:auto,2", "dsync:autox"}) {
     auto r = SyncMode::Parse(text);
     ASSERT_FALSE(r.ok()) << text;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
-    EXPECT_NE(r.status().message().find("expected bsp, dsync:K, dsync:K,Q, ssp:K or asp"),
+    EXPECT_NE(r.status().message().find(
+                  "expected bsp, dsync:K, dsync:K,Q, dsync:auto[:KMAX], ssp:K or asp"),
               std::string::npos)
         << r.status().message();
   }
-  auto adaptive = SyncMode::Parse("dsync:auto");
-  ASSERT_FALSE(adaptive.ok());
-  EXPECT_EQ(adaptive.status().code(), StatusCode::kUnimplemented);
+}
+
+TEST(SyncModeParse, AutoCarriesItsMaximumBound) {
+  const SyncMode a = SyncMode::Parse("dsync:auto").value();
+  EXPECT_TRUE(a.adaptive);
+  EXPECT_EQ(a.kind, SyncKind::kRound);
+  EXPECT_EQ(a.bound, SyncMode::kDefaultAutoMax);
+  const SyncMode b = SyncMode::Parse("dsync:auto:8").value();
+  EXPECT_TRUE(b.adaptive);
+  EXPECT_EQ(b.bound, 8u);
+  EXPECT_NE(a, SyncMode::Dsync(SyncMode::kDefaultAutoMax));
 }
 
 TEST(ConfigEnvironment, ReadsDsyncVariables) {

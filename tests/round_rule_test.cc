@@ -240,7 +240,8 @@ TEST(RoundRule, RejectsMalformedEvents) {
 // rounds with a random lag.
 class Simulation {
  public:
-  Simulation(SyncMode mode, uint32_t seed) : mode_(mode), rule_(mode), rng_(seed) {}
+  Simulation(SyncMode mode, uint32_t seed)
+      : mode_(mode), rule_(mode), rng_(seed), quorum_(mode.quorum) {}
 
   void JoinWorker(bool initial) {
     const WorkerId id = next_id_++;
@@ -278,6 +279,10 @@ class Simulation {
         RemoveRandom(/*failed=*/c == 2);
         return true;
       }
+    }
+    if (mode_.adaptive && coin(rng_) < 3) {
+      RandomPolicy();
+      return true;
     }
     if (ready.empty() && !can_apply) return false;
     if (can_apply && (ready.empty() || coin(rng_) < 30)) {
@@ -358,6 +363,17 @@ class Simulation {
     Collect();
   }
 
+  // dsync:auto: the policy may hand out any allowance up to the maximum and any quorum at
+  // any moment; the invariants must not depend on what it decides.
+  void RandomPolicy() {
+    std::uniform_int_distribution<uint32_t> allow(0, mode_.bound);
+    for (const auto& [id, w] : workers_) ASSERT_TRUE(rule_.SetAllowance(id, allow(rng_)).ok());
+    std::uniform_int_distribution<uint32_t> q(0, static_cast<uint32_t>(workers_.size()));
+    quorum_ = q(rng_);  // 0 is SyncMode::kAll
+    ASSERT_TRUE(rule_.SetQuorum(quorum_).ok());
+    Collect();
+  }
+
   void RemoveRandom(bool failed) {
     std::uniform_int_distribution<size_t> pick(0, workers_.size() - 1);
     auto it = workers_.begin();
@@ -420,8 +436,8 @@ class Simulation {
       // Invariant 2 (quorum).
       EXPECT_GE(r.live_members, r.quorum_needed) << "round " << r.round << " under quorum";
       const uint32_t q = mode_.kind != SyncKind::kRound ? 1
-                         : mode_.quorum == SyncMode::kAll ? r.live_workers
-                                                          : std::min(mode_.quorum, r.live_workers);
+                         : quorum_ == SyncMode::kAll      ? r.live_workers
+                                                          : std::min(quorum_, r.live_workers);
       EXPECT_EQ(r.quorum_needed, q);
     }
     for (const GateRelease& g : rule_.TakeGateReleases()) {
@@ -454,6 +470,7 @@ class Simulation {
   std::map<std::pair<WorkerId, Clock>, Round> expected_round_;
   std::map<std::pair<WorkerId, Clock>, Round> placed_;
   std::map<WorkerId, Clock> last_clock_;
+  uint32_t quorum_;  // the quorum in force (dsync:auto changes it)
 };
 
 struct PropertyCase {
@@ -484,7 +501,8 @@ TEST_P(RoundRuleProperty, InvariantsHoldOverRandomArrivalOrders) {
   }
   EXPECT_GT(rounds, 40u * 50u) << "the simulation made too little progress to mean much";
   const SyncMode mode = Mode(pc.mode);
-  if (mode.kind == SyncKind::kRound && mode.bound > 0 && mode.quorum != SyncMode::kAll) {
+  if (mode.kind == SyncKind::kRound && mode.bound > 0 &&
+      (mode.quorum != SyncMode::kAll || mode.adaptive)) {
     // With stragglers and a quorum the bound is actually used, not just respected.
     EXPECT_GT(max_staleness, 0u);
   }
@@ -496,7 +514,8 @@ INSTANTIATE_TEST_SUITE_P(
                       PropertyCase{"dsync:1", 4, false}, PropertyCase{"dsync:3", 5, true},
                       PropertyCase{"dsync:2,3", 4, false}, PropertyCase{"dsync:2,3", 4, true},
                       PropertyCase{"dsync:4,1", 6, true}, PropertyCase{"ssp:2", 4, false},
-                      PropertyCase{"ssp:0", 3, true}, PropertyCase{"asp", 4, true}),
+                      PropertyCase{"ssp:0", 3, true}, PropertyCase{"asp", 4, true},
+                      PropertyCase{"dsync:auto", 4, false}, PropertyCase{"dsync:auto:2", 5, true}),
     [](const auto& param_info) {
       const PropertyCase& p = param_info.param;
       std::string name = p.mode;

@@ -29,16 +29,24 @@ struct SyncMode {
   SyncKind kind = SyncKind::kRound;
   uint32_t bound = 0;       // D (round modes) or K (ssp); kUnbounded for asp
   uint32_t quorum = kAll;   // Q for round modes
+  // dsync:auto: the scheduler chooses the quorum and each worker's allowance (<= bound,
+  // the maximum) per round from measured iteration times (src/ps/auto_policy.h).
+  bool adaptive = false;
+
+  static constexpr uint32_t kDefaultAutoMax = 4;
 
   static SyncMode Bsp() { return {}; }
   static SyncMode Dsync(uint32_t d, uint32_t q = kAll) {
     // D = 0 forces the quorum to "all": dsync:0 is bsp.
     return {SyncKind::kRound, d, d == 0 ? kAll : q};
   }
+  static SyncMode Auto(uint32_t max_bound = kDefaultAutoMax) {
+    return {SyncKind::kRound, max_bound, kAll, true};
+  }
   static SyncMode Ssp(uint32_t k) { return {SyncKind::kSsp, k, kAll}; }
   static SyncMode Asp() { return {SyncKind::kAsp, kUnbounded, 1}; }
 
-  // "bsp", "dsync:K", "dsync:K,Q", "ssp:K", "asp".
+  // "bsp", "dsync:K", "dsync:K,Q", "dsync:auto", "dsync:auto:KMAX", "ssp:K", "asp".
   static Result<SyncMode> Parse(std::string_view text);
   std::string ToString() const;
   bool operator==(const SyncMode&) const = default;
@@ -80,6 +88,14 @@ struct Config {
   SyncMode sync;
   OptimizerConfig optimizer;
   uint64_t slice_bytes = 4ull << 20;
+
+  // Scheduler: the job's training budget. Once this many gradients are committed, every
+  // commit acknowledgement tells its worker to stop (Worker::stop_requested()); 0: the
+  // workers decide when they are done.
+  uint64_t max_gradients = 0;
+  // Worker: join as an observer, a read-only client (an evaluator, a monitor) that pulls
+  // the newest model without waiting and never pushes, so it never holds a round.
+  bool observer = false;
 
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_timeout_ms = 5000;

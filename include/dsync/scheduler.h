@@ -20,6 +20,7 @@ struct SchedulerStats {
   uint32_t workers_left = 0;
   uint32_t workers_failed = 0;
   uint32_t max_staleness = 0;     // over every gradient placed in a round
+  uint32_t policy_changes = 0;    // dsync:auto decisions that changed quorum or allowances
 };
 
 class Scheduler {

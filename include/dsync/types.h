@@ -7,7 +7,8 @@
 
 namespace dsync {
 
-using NodeId = uint32_t;    // scheduler 0, servers 1..S, workers from kFirstWorkerId on
+using NodeId = uint32_t;    // scheduler 0, servers 1..S, workers from kFirstWorkerId on,
+                            // observers from kFirstObserverId on
 using WorkerId = uint32_t;
 using TensorId = uint32_t;
 using Version = uint64_t;   // number of rounds a slice has applied
@@ -17,6 +18,9 @@ using Clock = uint64_t;     // a worker's gradient counter
 constexpr NodeId kSchedulerId = 0;
 constexpr NodeId kFirstServerId = 1;
 constexpr NodeId kFirstWorkerId = 1000;
+// Observers (read-only clients: evaluators, monitors) pull the model but never count as
+// workers; their ids come from a range of their own so worker ids stay 1000, 1001, ...
+constexpr NodeId kFirstObserverId = 0x40000000;
 
 enum class DType : uint8_t { kFloat32 = 1, kFloat64 = 2, kFloat16 = 3, kInt32 = 4 };
 std::string_view DTypeName(DType dtype);

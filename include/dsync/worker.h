@@ -33,12 +33,14 @@ struct JobInfo {
   uint32_t num_servers = 0;
   Round join_round = 0;    // first round this worker counts toward quorum in
   Clock start_clock = 0;   // clock of this worker's first gradient
+  bool observer = false;   // joined read-only (Config::observer): pulls only
 };
 
 class Worker {
  public:
   // Connects to the scheduler and every server and joins the job. Blocks until admitted
-  // (the scheduler admits workers once all servers are up).
+  // (the scheduler admits workers once all servers are up). With Config::observer it joins
+  // read-only: Register and Pull work (pulls return the newest model at once), Push fails.
   static Result<std::unique_ptr<Worker>> Start(const Config& config);
   virtual ~Worker() = default;
 
@@ -60,6 +62,10 @@ class Worker {
   // For a pull, *version receives the lowest version among the slices it read.
   virtual Status Wait(Handle handle, Version* version = nullptr) = 0;
   virtual Status WaitAll() = 0;
+
+  // The scheduler said the job's gradient budget is spent (Config::max_gradients): finish
+  // the iteration in hand and Leave(). Seen with the acknowledgement of a push.
+  virtual bool stop_requested() const = 0;
 
   virtual Clock clock() const = 0;            // clock of the gradient being computed now
   virtual Version base_version() const = 0;   // lowest version among the latest pulls

@@ -69,7 +69,7 @@ Result<Role> ParseRole(std::string_view text) {
 Result<SyncMode> SyncMode::Parse(std::string_view text) {
   auto bad = [&](std::string_view why) {
     return Error(StatusCode::kInvalidArgument,
-                 "sync mode '{}': {} (expected bsp, dsync:K, dsync:K,Q, ssp:K or asp)", text,
+                 "sync mode '{}': {} (expected bsp, dsync:K, dsync:K,Q, dsync:auto[:KMAX], ssp:K or asp)", text,
                  why);
   };
   if (text == "bsp") return Bsp();
@@ -81,9 +81,12 @@ Result<SyncMode> SyncMode::Parse(std::string_view text) {
   }
   if (text.starts_with("dsync:")) {
     std::string_view rest = text.substr(6);
-    if (rest == "auto") {
-      return Error(StatusCode::kUnimplemented,
-                   "sync mode 'dsync:auto' (adaptive bound) is not available yet; use dsync:K,Q");
+    if (rest == "auto") return Auto();
+    if (rest.starts_with("auto:")) {
+      auto k = ParseUnsigned("maximum delay bound", rest.substr(5), 1024);
+      if (!k.ok()) return bad(k.status().message());
+      if (*k == 0) return bad("dsync:auto needs a maximum bound of at least 1 (bsp is dsync:0)");
+      return Auto(static_cast<uint32_t>(*k));
     }
     std::string_view q_text;
     if (auto comma = rest.find(','); comma != std::string_view::npos) {
@@ -110,6 +113,9 @@ std::string SyncMode::ToString() const {
     case SyncKind::kAsp: return "asp";
     case SyncKind::kSsp: return fmt::format("ssp:{}", bound);
     case SyncKind::kRound:
+      if (adaptive) {
+        return bound == kDefaultAutoMax ? "dsync:auto" : fmt::format("dsync:auto:{}", bound);
+      }
       if (bound == 0) return "bsp";
       if (quorum == kAll) return fmt::format("dsync:{}", bound);
       return fmt::format("dsync:{},{}", bound, quorum);
@@ -195,6 +201,9 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   DSYNC_RETURN_IF_ERROR(f32("DSYNC_WEIGHT_DECAY", &c.optimizer.weight_decay));
   if (const std::string* v = get({"DSYNC_SLICE_BYTES"})) {
     DSYNC_ASSIGN_OR_RETURN(c.slice_bytes, ParseBytes("DSYNC_SLICE_BYTES", *v));
+  }
+  if (const std::string* v = get({"DSYNC_MAX_GRADIENTS"})) {
+    DSYNC_ASSIGN_OR_RETURN(c.max_gradients, ParseUnsigned("DSYNC_MAX_GRADIENTS", *v, UINT64_MAX));
   }
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_MS"}, &c.heartbeat_interval_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));

@@ -32,7 +32,7 @@ Status Field(const json& j, const char* key, T* out) {
 
 std::string EncodeHello(const Hello& h) {
   json j = {{"role", RoleName(h.role)}, {"token", h.token}, {"node", h.node},
-            {"host", h.host},           {"port", h.port}};
+            {"host", h.host},           {"port", h.port},    {"observer", h.observer}};
   return j.dump();
 }
 
@@ -46,6 +46,7 @@ Result<Hello> DecodeHello(std::span<const std::byte> meta) {
   DSYNC_RETURN_IF_ERROR(Field(j, "node", &h.node));
   DSYNC_RETURN_IF_ERROR(Field(j, "host", &h.host));
   DSYNC_RETURN_IF_ERROR(Field(j, "port", &h.port));
+  if (j.contains("observer")) DSYNC_RETURN_IF_ERROR(Field(j, "observer", &h.observer));
   return h;
 }
 
@@ -75,7 +76,8 @@ std::string EncodeWelcome(const Welcome& w) {
             {"servers", servers},
             {"join_round", w.join_round},
             {"start_clock", w.start_clock},
-            {"gate", w.gate}};
+            {"gate", w.gate},
+            {"observer", w.observer}};
   return j.dump();
 }
 
@@ -112,6 +114,7 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   DSYNC_RETURN_IF_ERROR(Field(j, "join_round", &w.join_round));
   DSYNC_RETURN_IF_ERROR(Field(j, "start_clock", &w.start_clock));
   DSYNC_RETURN_IF_ERROR(Field(j, "gate", &w.gate));
+  if (j.contains("observer")) DSYNC_RETURN_IF_ERROR(Field(j, "observer", &w.observer));
   return w;
 }
 

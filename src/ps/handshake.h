@@ -23,6 +23,7 @@ struct Hello {
   NodeId node = 0;        // worker -> server: the worker id the scheduler assigned
   std::string host;       // server -> scheduler: where workers reach it
   uint16_t port = 0;
+  bool observer = false;  // worker -> scheduler: a read-only client (Config::observer)
 };
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::span<const std::byte> meta);
@@ -46,6 +47,7 @@ struct Welcome {
   Round join_round = 0;                // workers
   Clock start_clock = 0;
   Version gate = 0;
+  bool observer = false;               // admitted read-only
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

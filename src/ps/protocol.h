@@ -39,7 +39,8 @@ enum class MsgType : uint16_t {
   kBegin = 10,     // round = clock, aux = base version the worker now computes on
   kCommit = 11,    // round = clock, aux = base; the clock's pushes are all acknowledged;
                    // flags & kFlagEmpty: nothing was pushed for this clock
-  kCommitAck = 12, // round = assigned round, aux = min version for the next pull (or kNoGate)
+  kCommitAck = 12, // round = assigned round, aux = min version for the next pull (or kNoGate);
+                   // flags & kFlagStop: the job's gradient budget is spent
   kGate = 13,      // round = clock, aux = min version for pulls at that clock (ssp)
   kLeave = 14,
   kLeaveAck = 15,
@@ -84,6 +85,8 @@ static_assert(offsetof(FrameHeader, payload_len) == 56);
 
 constexpr uint64_t kNoGate = ~0ull;
 constexpr uint8_t kFlagEmpty = 1;
+// kCommitAck: the job's gradient budget (Config::max_gradients) is spent; stop training.
+constexpr uint8_t kFlagStop = 2;
 
 inline FrameHeader MakeHeader(MsgType type, NodeId sender) {
   FrameHeader h;

@@ -32,6 +32,7 @@ Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
     return Error(StatusCode::kAlreadyExists, "worker {} has already joined", id);
   }
   WorkerState w;
+  w.bound = mode_.adaptive ? 0 : mode_.bound;
   // A new worker's clocks continue from the slowest live worker, so that ssp gates of the
   // others never wait for clocks it will not produce.
   std::optional<Clock> min_clock;
@@ -43,7 +44,7 @@ Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
     w.join_round = initial ? open_round_ : open_round_ + 1;
     // As if its last gradient had gone to round join_round - 1: the first gradient can then
     // be placed in join_round or earlier within the bound.
-    w.floor = initial ? 0 : SaturatingSub(w.join_round, mode_.bound);
+    w.floor = initial ? 0 : SaturatingSub(w.join_round, w.bound);
   } else {
     w.join_round = open_round_;
     w.floor = mode_.kind == SyncKind::kSsp ? open_round_ : 0;
@@ -101,7 +102,7 @@ Result<CommitResult> RoundRule::Commit(WorkerId id, Clock clock, Version base, b
   if (RoundMode()) {
     result.round = open_round_ + w.queue.size();
     w.queue.push_back({clock, base});
-    w.floor = SaturatingSub(result.round + 1, mode_.bound);
+    w.floor = SaturatingSub(result.round + 1, w.bound);
     result.gate = w.floor;
     return result;
   }
@@ -144,6 +145,30 @@ Result<Clock> RoundRule::Remove(WorkerId id, bool /*failed*/) {
   return next;
 }
 
+Status RoundRule::SetAllowance(WorkerId id, uint32_t allowance) {
+  if (!mode_.adaptive) {
+    return Error(StatusCode::kFailedPrecondition, "per-worker allowances need dsync:auto");
+  }
+  if (allowance > mode_.bound) {
+    return Error(StatusCode::kInvalidArgument, "allowance {} exceeds the maximum bound {}",
+                 allowance, mode_.bound);
+  }
+  auto it = workers_.find(id);
+  if (it == workers_.end() || !it->second.live) {
+    return Error(StatusCode::kNotFound, "worker {} is not a live member", id);
+  }
+  it->second.bound = allowance;
+  return Status::Ok();
+}
+
+Status RoundRule::SetQuorum(uint32_t quorum) {
+  if (!mode_.adaptive) {
+    return Error(StatusCode::kFailedPrecondition, "a changing quorum needs dsync:auto");
+  }
+  mode_.quorum = quorum;
+  return Status::Ok();
+}
+
 bool RoundRule::MayClose(Round r) const {
   uint32_t eligible = 0;
   uint32_t contributing = 0;
@@ -161,7 +186,7 @@ bool RoundRule::MayClose(Round r) const {
     if (w.queue.empty()) {
       // Closing r without w pushes w's in-progress gradient to round r + 1 at the earliest.
       const Version b = std::max(w.begun.value_or(0), w.floor);
-      if (r + 1 - std::min<uint64_t>(b, r + 1) > mode_.bound) return false;
+      if (r + 1 - std::min<uint64_t>(b, r + 1) > w.bound) return false;
     }
   }
   // A round holds at least one gradient, except when only workers that count from the next

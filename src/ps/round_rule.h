@@ -14,6 +14,12 @@
 // lost). So the k-th queued gradient of w lands in round R + k, which is known at commit
 // time; a worker's pull at its next clock is gated on version >= (that round) + 1 - D.
 //
+// dsync:auto. As the round modes, but each worker has an allowance D_w <= D (the maximum)
+// used in (b) and in its pull gate, and the quorum changes at run time: the scheduler sets
+// both from AutoPolicy's decisions. Everybody starts at D_w = 0, Q = all (bsp). Lowering
+// D_w can only make rounds wait longer, raising it only lets them close earlier: staleness
+// stays <= the allowance in force when the gradient's base was granted, so <= D.
+//
 // ssp:K and asp. Every commit is placed in a round of its own at once ("applied on
 // arrival"). asp pulls never wait; an ssp pull at clock c waits until every live worker has
 // committed its gradients of clocks < c - K (and they are in decided rounds).
@@ -75,6 +81,11 @@ class RoundRule {
   // committed, anything pushed for it or later is to be discarded.
   Result<Clock> Remove(WorkerId w, bool failed);
 
+  // dsync:auto only: w's delay allowance (<= the mode's maximum bound) and the quorum
+  // (SyncMode::kAll or a count). FailedPrecondition in any other mode.
+  Status SetAllowance(WorkerId w, uint32_t allowance);
+  Status SetQuorum(uint32_t quorum);
+
   // Closes every round that may close now, oldest first.
   std::vector<RoundRecord> CloseReady();
   // ssp gates that opened since the last call.
@@ -95,6 +106,7 @@ class RoundRule {
   struct WorkerState {
     bool live = true;
     Round join_round = 0;
+    uint32_t bound = 0;             // its delay allowance: the mode's D, or set by dsync:auto
     Clock next_clock = 0;           // clock of its next commit
     std::deque<Queued> queue;       // committed, not yet placed
     Version floor = 0;              // its pull gate: lowest base its next gradient may have

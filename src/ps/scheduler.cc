@@ -12,10 +12,12 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ps/auto_policy.h"
 #include "ps/backends.h"
 #include "ps/handshake.h"
 #include "ps/round_rule.h"
@@ -29,7 +31,13 @@ using SteadyClock = std::chrono::steady_clock;
 class SchedulerNode final : public Scheduler, public TransportHandler {
  public:
   SchedulerNode(const Config& config, std::unique_ptr<Transport> transport)
-      : cfg_(config), transport_(std::move(transport)), rule_(config.sync) {}
+      : cfg_(config), transport_(std::move(transport)), rule_(config.sync) {
+    if (config.sync.adaptive) {
+      AutoPolicyOptions o;
+      o.max_bound = config.sync.bound;
+      policy_.emplace(o);
+    }
+  }
 
   ~SchedulerNode() override {
     Stop();
@@ -113,6 +121,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     const PeerInfo info = it->second;
     if (info.kind == PeerKind::kWorker) {
       HandleWorker(peer, info.id, h);
+    } else if (info.kind == PeerKind::kObserver) {
+      if (h.msg_type() != MsgType::kHeartbeat) {
+        Refuse(peer, h,
+               Error(StatusCode::kPermissionDenied,
+                     "observer {} is read-only: it pulls from the servers and sends the "
+                     "scheduler nothing but heartbeats",
+                     info.id),
+               false);
+      }
     } else {
       HandleServer(peer, info.id, h, meta);
     }
@@ -126,6 +143,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     const PeerInfo info = it->second;
     peers_.erase(it);
     if (finished_) return;
+    if (info.kind == PeerKind::kObserver) {
+      std::erase_if(waiting_observers_, [&](const WaitingObserver& w) { return w.peer == peer; });
+      return;
+    }
     if (info.kind == PeerKind::kServer) {
       Finish(Error(StatusCode::kUnavailable,
                    "server {} disconnected ({}); the job cannot continue without its slices",
@@ -139,7 +160,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
  private:
-  enum class PeerKind { kServer, kWorker };
+  enum class PeerKind { kServer, kWorker, kObserver };
   struct PeerInfo {
     PeerKind kind;
     NodeId id;
@@ -154,6 +175,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   struct WorkerEntry {
     PeerId peer;
     SteadyClock::time_point last_seen;
+    Clock begun_clock = ~Clock{0};  // the clock its last begin reported, and when
+    SteadyClock::time_point begun_at;
   };
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
@@ -198,6 +221,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       Refuse(peer, h, Error(StatusCode::kInvalidArgument, "only servers and workers join"), true);
       return;
     }
+    if (hello->observer) {
+      const NodeId id = next_observer_id_++;
+      peers_[peer] = {PeerKind::kObserver, id};
+      waiting_observers_.push_back({id, peer, h.request});
+      AdmitWaiting();
+      return;
+    }
     const WorkerId id = next_worker_id_++;
     peers_[peer] = {PeerKind::kWorker, id};
     waiting_.emplace_back(id, peer);
@@ -218,7 +248,20 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // Workers are admitted once every server is up; the first num_workers together, so that
   // they all count from round 0 (a reproducible start); later ones join the running job.
   void AdmitWaiting() {
-    if (servers_.size() < cfg_.num_servers || waiting_.empty()) return;
+    if (servers_.size() < cfg_.num_servers) return;
+    // Observers need only the servers: they never count in a round.
+    for (const WaitingObserver& o : waiting_observers_) {
+      Welcome w = JobWelcome(o.id);
+      for (const ServerEntry& s : servers_) w.servers.push_back({s.id, s.host, s.port});
+      w.observer = true;
+      FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
+      ack.request = o.request;
+      (void)transport_->Send(o.peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
+      spdlog::info("scheduler: observer {} connected from {}", o.id,
+                   transport_->PeerAddress(o.peer));
+    }
+    waiting_observers_.clear();
+    if (waiting_.empty()) return;
     bool initial = false;
     if (!started_) {
       if (waiting_.size() < cfg_.num_workers) return;
@@ -241,13 +284,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = about.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
-      workers_[id] = {peer, SteadyClock::now()};
+      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}};
+      if (policy_) policy_->Join(id);
       ++counters_.workers_joined;
       spdlog::info("scheduler: worker {} joined from {} (counts from round {}, live {})", id,
                    transport_->PeerAddress(peer), admission->join_round, rule_.live_workers());
       waiting_requests_.erase(id);
     }
     waiting_.clear();
+    Redecide();
     Progress();
   }
 
@@ -275,11 +320,23 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           Refuse(peer, h, s, false);
           return;
         }
+        wit->second.begun_clock = h.round;
+        wit->second.begun_at = wit->second.last_seen;
         Progress();
         return;
       }
       case MsgType::kCommit: {
-        auto r = rule_.Commit(id, h.round, h.aux, (h.flags & kFlagEmpty) != 0);
+        const bool empty = (h.flags & kFlagEmpty) != 0;
+        if (policy_ && !empty && wit->second.begun_clock == h.round) {
+          // Begin -> commit: the worker's own compute and push time, without the waits
+          // the bound imposed on its pulls. Decided before the commit, so that its gate
+          // already follows the new allowance.
+          policy_->Observe(id, std::chrono::duration<double>(wit->second.last_seen -
+                                                             wit->second.begun_at)
+                                   .count());
+          Redecide();
+        }
+        auto r = rule_.Commit(id, h.round, h.aux, empty);
         if (!r.ok()) {
           Refuse(peer, h, r.status(), false);
           return;
@@ -288,6 +345,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         ack.request = h.request;
         ack.round = r->round;
         ack.aux = r->gate.value_or(kNoGate);
+        if (cfg_.max_gradients && rule_.stats().gradients_committed >= cfg_.max_gradients) {
+          if (!budget_spent_) {
+            budget_spent_ = true;
+            spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
+                         "workers to stop",
+                         rule_.stats().gradients_committed);
+          }
+          ack.flags |= kFlagStop;
+        }
         (void)SendControl(*transport_, peer, ack);
         Progress();
         return;
@@ -333,6 +399,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void RemoveWorker(WorkerId id, bool failed, const std::string& why) {
     auto next = rule_.Remove(id, failed);
     if (!next.ok()) return;
+    if (policy_) {
+      policy_->Leave(id);
+      Redecide();
+    }
     if (failed) {
       ++counters_.workers_failed;
       spdlog::warn("scheduler: worker {} declared dead ({}); its {} committed gradient(s) "
@@ -352,6 +422,32 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       workers_.erase(wit);
     }
     Progress();
+  }
+
+  // dsync:auto: hands the policy's new decision, if any, to the rule.
+  void Redecide() {
+    if (!policy_ || !policy_->Decide()) return;
+    const AutoDecision& d = policy_->decision();
+    for (const auto& [id, allowance] : d.allowance) {
+      if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
+    }
+    (void)rule_.SetQuorum(d.quorum);
+    ++counters_.policy_changes;
+    spdlog::info("scheduler: dsync:auto from round {}: {}", rule_.open_round(),
+                 policy_->Describe());
+    if (audit_) {
+      fmt::memory_buffer line;
+      fmt::format_to(std::back_inserter(line), "{{\"policy\":{{\"from_round\":{},\"quorum\":{},"
+                     "\"allowance\":{{", rule_.open_round(), d.quorum);
+      bool first = true;
+      for (const auto& [id, allowance] : d.allowance) {
+        fmt::format_to(std::back_inserter(line), "{}\"{}\":{}", first ? "" : ",", id, allowance);
+        first = false;
+      }
+      fmt::format_to(std::back_inserter(line), "}}}}}}\n");
+      std::fwrite(line.data(), 1, line.size(), audit_);
+      std::fflush(audit_);
+    }
   }
 
   // Broadcasts every round that may close now and every ssp gate that opened.
@@ -453,6 +549,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   RoundRule rule_;
+  std::optional<AutoPolicy> policy_;  // dsync:auto
   std::unordered_map<PeerId, PeerInfo> peers_;
   std::unordered_set<PeerId> doomed_;  // refused, being dropped
   std::vector<ServerEntry> servers_;  // by rank
@@ -460,6 +557,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::vector<std::pair<WorkerId, PeerId>> waiting_;
   std::map<WorkerId, uint64_t> waiting_requests_;
   WorkerId next_worker_id_ = kFirstWorkerId;
+  NodeId next_observer_id_ = kFirstObserverId;
+  struct WaitingObserver {
+    NodeId id;
+    PeerId peer;
+    uint64_t request;  // of its hello
+  };
+  std::vector<WaitingObserver> waiting_observers_;
+  bool budget_spent_ = false;
   bool started_ = false;
   bool finished_ = false;
   bool stop_ = false;

@@ -44,6 +44,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     Hello hello;
     hello.role = Role::kWorker;
     hello.token = cfg_.token;
+    hello.observer = cfg_.observer;
     DSYNC_ASSIGN_OR_RETURN(std::string welcome_meta, Handshake(sched, hello, "the scheduler"));
     DSYNC_ASSIGN_OR_RETURN(Welcome w, DecodeWelcome(AsBytes(welcome_meta)));
     job_.worker_id = w.id;
@@ -53,6 +54,11 @@ class WorkerNode final : public Worker, public TransportHandler {
     job_.num_servers = static_cast<uint32_t>(w.servers.size());
     job_.join_round = w.join_round;
     job_.start_clock = w.start_clock;
+    job_.observer = w.observer;
+    if (cfg_.observer != w.observer) {
+      return Error(StatusCode::kProtocol, "the scheduler admitted this node as {}",
+                   w.observer ? "an observer" : "a worker");
+    }
     if (w.servers.empty()) return Error(StatusCode::kProtocol, "the job has no servers");
     planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
     clock_ = w.start_clock;
@@ -71,9 +77,14 @@ class WorkerNode final : public Worker, public TransportHandler {
                              Handshake(peer, hello, fmt::format("server {}", s.id)));
     }
     heartbeat_ = std::thread([this, interval = w.heartbeat_interval_ms] { Heartbeat(interval); });
-    spdlog::info("worker {} joined (sync {}, {} server(s), counts from round {}, clock {})",
-                 job_.worker_id, job_.sync.ToString(), job_.num_servers, job_.join_round,
-                 clock_);
+    if (job_.observer) {
+      spdlog::info("observer {} connected (sync {}, {} server(s))", job_.worker_id,
+                   job_.sync.ToString(), job_.num_servers);
+    } else {
+      spdlog::info("worker {} joined (sync {}, {} server(s), counts from round {}, clock {})",
+                   job_.worker_id, job_.sync.ToString(), job_.num_servers, job_.join_round,
+                   clock_);
+    }
     return Status::Ok();
   }
 
@@ -146,8 +157,11 @@ class WorkerNode final : public Worker, public TransportHandler {
   Handle Advance() override {
     std::lock_guard lock(mu_);
     const uint32_t op = NewOp(OpKind::kAdvance, 0);
-    if (!broken_.ok()) {
-      FinishOp(op, broken_);
+    if (!broken_.ok() || job_.observer) {
+      FinishOp(op, job_.observer ? Error(StatusCode::kPermissionDenied,
+                                         "observer {} is read-only: it has no clock to advance",
+                                         job_.worker_id)
+                                 : broken_);
       return HandleOf(op);
     }
     ClockState& cs = CurrentClockState();
@@ -185,9 +199,21 @@ class WorkerNode final : public Worker, public TransportHandler {
     return base_;
   }
 
+  bool stop_requested() const override {
+    std::lock_guard lock(mu_);
+    return stop_requested_;
+  }
+
   Status Leave() override {
     std::unique_lock lock(mu_);
     if (left_) return Status::Ok();
+    if (job_.observer) {
+      // Never a member of the rounds: nothing to commit or to announce.
+      left_ = true;
+      lock.unlock();
+      StopThreads();
+      return Status::Ok();
+    }
     if (pushed_count_ > 0) CompleteClock();  // commit what was pushed: never lost
     cv_.wait(lock, [&] { return clocks_.empty() || !broken_.ok(); });
     DSYNC_RETURN_IF_ERROR(broken_);
@@ -413,6 +439,10 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   Status CheckPush(TensorId tensor) const {
     DSYNC_RETURN_IF_ERROR(CheckTensor(tensor));
+    if (job_.observer) {
+      return Error(StatusCode::kPermissionDenied,
+                   "observer {} is read-only: it cannot push tensor {}", job_.worker_id, tensor);
+    }
     if (tensors_[tensor].pushed_clock == clock_) {
       return Error(StatusCode::kFailedPrecondition,
                    "tensor {} ('{}') was already pushed in clock {}", tensor,
@@ -557,6 +587,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     const ClockState cs = clocks_.front();
     clocks_.erase(clocks_.begin());
+    if (h.flags & kFlagStop) stop_requested_ = true;
     for (uint32_t i = 0; i < ops_.size(); ++i) {
       Op& o = ops_[i];
       if (o.in_use && !o.done && o.kind == OpKind::kPush && o.clock == cs.clock) {
@@ -605,7 +636,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       t.pulled_clock = clock_;
       // Every tensor pulled: tell the scheduler what this clock's gradient is computed on,
       // so rounds need not wait for this worker more than the bound requires.
-      if (++pulled_count_ == tensors_.size()) {
+      if (++pulled_count_ == tensors_.size() && !job_.observer) {
         FrameHeader b = MakeHeader(MsgType::kBegin, job_.worker_id);
         b.round = clock_;
         b.aux = base_;
@@ -697,6 +728,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   std::vector<uint32_t> deferred_pulls_;
   std::vector<ClockState> clocks_;  // oldest first; rarely more than two
   Clock clock_ = 0;
+  bool stop_requested_ = false;
   Clock gate_clock_ = 0;   // pulls at clocks up to this one may go out...
   Version gate_ = 0;       // ...asking for at least this version
   Version base_ = 0;

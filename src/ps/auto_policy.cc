@@ -1,0 +1,74 @@
+#include "ps/auto_policy.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace dsync::ps {
+
+AutoPolicy::AutoPolicy(AutoPolicyOptions options) : opt_(options) {}
+
+void AutoPolicy::Join(WorkerId w) { workers_.try_emplace(w); }
+
+void AutoPolicy::Leave(WorkerId w) { workers_.erase(w); }
+
+void AutoPolicy::Observe(WorkerId w, double seconds) {
+  auto it = workers_.find(w);
+  if (it == workers_.end() || !(seconds >= 0)) return;
+  Track& t = it->second;
+  t.average = t.samples == 0 ? seconds
+                             : (1 - opt_.ewma_weight) * t.average + opt_.ewma_weight * seconds;
+  ++t.samples;
+}
+
+bool AutoPolicy::Decide() {
+  std::vector<double> measured;
+  for (const auto& [id, t] : workers_) {
+    if (t.samples >= opt_.min_samples) measured.push_back(t.average);
+  }
+  AutoDecision next;
+  reference_ = 0;
+  if (!measured.empty()) {
+    std::sort(measured.begin(), measured.end());
+    reference_ = measured[(measured.size() - 1) / 2];  // lower median
+  }
+  uint32_t fast = 0;
+  for (auto& [id, t] : workers_) {
+    uint32_t allow = 0;
+    if (reference_ > 0 && t.samples >= opt_.min_samples && workers_.size() > 1) {
+      const double ratio = t.average / reference_;
+      t.straggler = t.straggler ? ratio >= opt_.recover_ratio : ratio > opt_.slow_ratio;
+      if (t.straggler) {
+        // ceil, forgiving rounding noise: exactly 3x needs 3 rounds, not 4.
+        const double want = std::ceil(ratio - 1e-6) + opt_.margin;
+        allow = static_cast<uint32_t>(std::min<double>(opt_.max_bound, want));
+      }
+    } else {
+      t.straggler = false;  // not measured yet: waited for, as in bsp
+    }
+    next.allowance[id] = allow;
+    fast += allow == 0 ? 1 : 0;
+  }
+  next.quorum = fast == workers_.size() ? SyncMode::kAll : std::max<uint32_t>(fast, 1);
+  const bool changed = next != decision_;
+  decision_ = std::move(next);
+  return changed;
+}
+
+std::string AutoPolicy::Describe() const {
+  std::string out = decision_.quorum == SyncMode::kAll
+                        ? fmt::format("quorum all {}", workers_.size())
+                        : fmt::format("quorum {} of {}", decision_.quorum, workers_.size());
+  for (const auto& [id, allow] : decision_.allowance) {
+    if (allow == 0) continue;
+    const Track& t = workers_.at(id);
+    out += fmt::format("; worker {} allowed {} round(s) ({:.1f}x)", id, allow,
+                       reference_ > 0 ? t.average / reference_ : 0.0);
+  }
+  if (decision_.quorum == SyncMode::kAll) out += " (every worker waited for, as bsp)";
+  return out;
+}
+
+}  // namespace dsync::ps

@@ -1,0 +1,227 @@
+// dsync:auto: the policy alone on synthetic iteration times (the bounds it chooses respect
+// the maximum and follow changes in the deployment), then the policy driving the round rule
+// through a simulated job in which one worker slows down and recovers.
+#include "ps/auto_policy.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "ps/round_rule.h"
+
+namespace dsync::ps {
+namespace {
+
+// Feeds `rounds` iterations per worker at the given times (seconds), then decides.
+bool Feed(AutoPolicy& p, const std::map<WorkerId, double>& times, int rounds = 5) {
+  for (int i = 0; i < rounds; ++i) {
+    for (const auto& [w, t] : times) p.Observe(w, t);
+  }
+  return p.Decide();
+}
+
+AutoPolicy Policy(uint32_t max_bound = 4) {
+  AutoPolicyOptions o;
+  o.max_bound = max_bound;
+  return AutoPolicy(o);
+}
+
+TEST(AutoPolicy, BalancedWorkersAreBulkSynchronous) {
+  AutoPolicy p = Policy();
+  for (WorkerId w = 1000; w < 1004; ++w) p.Join(w);
+  Feed(p, {{1000, 0.010}, {1001, 0.011}, {1002, 0.0095}, {1003, 0.0105}});
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  for (const auto& [w, allow] : p.decision().allowance) EXPECT_EQ(allow, 0u) << w;
+  EXPECT_EQ(p.decision().allowance.size(), 4u);
+  EXPECT_NE(p.Describe().find("as bsp"), std::string::npos) << p.Describe();
+}
+
+TEST(AutoPolicy, UnmeasuredWorkersAreWaitedFor) {
+  AutoPolicy p = Policy();
+  p.Join(1000);
+  p.Join(1001);
+  p.Observe(1001, 0.5);  // one sample is not enough to call anyone slow
+  p.Decide();
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  EXPECT_EQ(p.decision().allowance.at(1001), 0u);
+}
+
+TEST(AutoPolicy, AStragglerLeavesTheQuorumWithAnAllowanceForItsRatio) {
+  AutoPolicy p = Policy(8);
+  for (WorkerId w = 1000; w < 1004; ++w) p.Join(w);
+  EXPECT_TRUE(Feed(p, {{1000, 0.010}, {1001, 0.010}, {1002, 0.010}, {1003, 0.030}}));
+  EXPECT_EQ(p.decision().quorum, 3u);
+  EXPECT_EQ(p.decision().allowance.at(1003), 4u);  // ceil(3.0) + 1 round of margin
+  for (WorkerId w = 1000; w < 1003; ++w) EXPECT_EQ(p.decision().allowance.at(w), 0u);
+  EXPECT_DOUBLE_EQ(p.reference(), 0.010);
+  EXPECT_NE(p.Describe().find("worker 1003 allowed 4"), std::string::npos) << p.Describe();
+}
+
+TEST(AutoPolicy, AllowancesNeverExceedTheMaximum) {
+  for (uint32_t max : {1u, 2u, 4u}) {
+    AutoPolicy p = Policy(max);
+    for (WorkerId w = 1000; w < 1005; ++w) p.Join(w);
+    Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, 0.05}, {1004, 1.0}});
+    EXPECT_EQ(p.decision().quorum, 3u);
+    for (const auto& [w, allow] : p.decision().allowance) EXPECT_LE(allow, max) << w;
+    EXPECT_EQ(p.decision().allowance.at(1004), max);
+  }
+}
+
+TEST(AutoPolicy, ReactsToASlowdownAndToTheRecovery) {
+  AutoPolicy p = Policy();
+  for (WorkerId w = 1000; w < 1004; ++w) p.Join(w);
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, 0.01}});
+  ASSERT_EQ(p.decision().quorum, SyncMode::kAll);
+  // Worker 1002 becomes 3x slower: within a few of its iterations it is a straggler.
+  int iterations = 0;
+  while (p.decision().quorum == SyncMode::kAll && iterations < 10) {
+    Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.03}, {1003, 0.01}}, 1);
+    ++iterations;
+  }
+  EXPECT_LE(iterations, 4);
+  EXPECT_EQ(p.decision().quorum, 3u);
+  EXPECT_GT(p.decision().allowance.at(1002), 0u);
+  // It recovers: fast again, and the job goes back to bsp.
+  iterations = 0;
+  while (p.decision().quorum != SyncMode::kAll && iterations < 20) {
+    Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, 0.01}}, 1);
+    ++iterations;
+  }
+  EXPECT_LE(iterations, 8);
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  EXPECT_EQ(p.decision().allowance.at(1002), 0u);
+}
+
+TEST(AutoPolicy, HysteresisKeepsANoisyWorkerFromFlapping) {
+  AutoPolicy p = Policy();
+  for (WorkerId w = 1000; w < 1003; ++w) p.Join(w);
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.02}});
+  ASSERT_EQ(p.decision().quorum, 2u);
+  // 1.3-1.45x: below the straggler threshold but above the recovery one: no change.
+  int changes = 0;
+  for (int i = 0; i < 40; ++i) {
+    const double t = i % 2 ? 0.0130 : 0.0145;
+    changes += Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, t}}, 1) ? 1 : 0;
+  }
+  EXPECT_EQ(p.decision().quorum, 2u);
+  EXPECT_LE(changes, 1);  // at most the allowance settling from 3 to 2 rounds
+}
+
+TEST(AutoPolicy, MembershipChangesAreReDecided) {
+  AutoPolicy p = Policy();
+  for (WorkerId w = 1000; w < 1003; ++w) p.Join(w);
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.04}});
+  ASSERT_EQ(p.decision().quorum, 2u);
+  // The straggler leaves: everyone left is fast.
+  p.Leave(1002);
+  EXPECT_TRUE(p.Decide());
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  EXPECT_FALSE(p.decision().allowance.contains(1002));
+  // A joiner is waited for until it has been measured, then judged like everyone else.
+  p.Join(1003);
+  EXPECT_TRUE(p.Decide());
+  EXPECT_EQ(p.decision().allowance.at(1003), 0u);
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1003, 0.025}});
+  EXPECT_EQ(p.decision().quorum, 2u);
+  EXPECT_EQ(p.decision().allowance.at(1003), 4u);  // ceil(2.5) + 1
+  // A lone worker is never anyone's straggler.
+  p.Leave(1000);
+  p.Leave(1001);
+  p.Decide();
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  EXPECT_EQ(p.decision().allowance.at(1003), 0u);
+}
+
+// --- the rule under the policy ----------------------------------------------------------
+
+TEST(RoundRuleAuto, StartsAsBspAndRefusesAllowancesAboveTheMaximum) {
+  RoundRule rule(SyncMode::Auto(2));
+  ASSERT_TRUE(rule.Join(1000, true).ok());
+  ASSERT_TRUE(rule.Join(1001, true).ok());
+  auto c = rule.Commit(1000, 0, 0);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->gate, 1u);  // allowance 0: like bsp, the next pull waits for round 0
+  EXPECT_TRUE(rule.CloseReady().empty());
+  EXPECT_EQ(rule.SetAllowance(1001, 3).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rule.SetAllowance(1999, 1).code(), StatusCode::kNotFound);
+  RoundRule fixed(SyncMode::Dsync(2, 1));
+  ASSERT_TRUE(fixed.Join(1000, true).ok());
+  EXPECT_EQ(fixed.SetAllowance(1000, 1).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(fixed.SetQuorum(1).code(), StatusCode::kFailedPrecondition);
+}
+
+// Three fast workers and one that is 3x slower for a while, then recovers, with the
+// policy re-deciding after every commit from simulated times, as the scheduler does.
+TEST(RoundRuleAuto, PolicyLetsFastWorkersRunWhileTheStragglerIsSlowAndBoundsStaleness) {
+  const uint32_t kMax = 4;
+  RoundRule rule(SyncMode::Auto(kMax));
+  AutoPolicy policy = Policy(kMax);
+  const std::vector<WorkerId> ids = {1000, 1001, 1002, 1003};
+  for (WorkerId w : ids) {
+    ASSERT_TRUE(rule.Join(w, true).ok());
+    policy.Join(w);
+  }
+  // Discrete-time simulation: worker w needs `period` ticks per gradient.
+  struct W {
+    int left = 0;
+    Clock clock = 0;
+    Version base = 0;
+    Version gate = 0;
+    bool computing = false;
+  };
+  std::map<WorkerId, W> ws;
+  Version applied = 0;
+  uint32_t max_staleness = 0;
+  uint64_t straggler_rounds_missed = 0;
+  auto period = [](WorkerId w, int tick) { return w == 1003 && tick < 3000 ? 30 : 10; };
+  for (int tick = 0; tick < 4000; ++tick) {
+    for (WorkerId w : ids) {
+      W& s = ws[w];
+      if (!s.computing) {
+        if (applied < s.gate) continue;  // pull gate
+        s.base = applied;
+        ASSERT_TRUE(rule.Begin(w, s.clock, s.base).ok());
+        s.left = period(w, tick);
+        s.computing = true;
+        continue;
+      }
+      if (--s.left > 0) continue;
+      policy.Observe(w, period(w, tick) * 1e-3);
+      if (policy.Decide()) {
+        for (const auto& [id, allow] : policy.decision().allowance) {
+          ASSERT_TRUE(rule.SetAllowance(id, allow).ok());
+        }
+        ASSERT_TRUE(rule.SetQuorum(policy.decision().quorum).ok());
+      }
+      auto c = rule.Commit(w, s.clock, s.base);
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      s.gate = c->gate.value();
+      ++s.clock;
+      s.computing = false;
+    }
+    for (const RoundRecord& r : rule.CloseReady()) {
+      bool has_straggler = false;
+      for (const RoundMember& m : r.members) {
+        max_staleness = std::max<uint32_t>(max_staleness, static_cast<uint32_t>(r.round - m.base));
+        has_straggler = has_straggler || m.worker == 1003;
+      }
+      straggler_rounds_missed += has_straggler ? 0 : 1;
+      EXPECT_GE(r.live_members, r.quorum_needed);
+    }
+    applied = rule.open_round();  // servers apply at once
+  }
+  EXPECT_LE(max_staleness, kMax);
+  EXPECT_GT(max_staleness, 0u);
+  // While the straggler is slow the fast workers keep their pace (~1 round / 10 ticks, not
+  // 1 / 30), and its gradients are delayed, not lost: it completed about 3000/30 of them.
+  EXPECT_GT(straggler_rounds_missed, 100u);
+  EXPECT_GT(ws[1003].clock, 90u);
+  EXPECT_GT(rule.open_round(), 330u);
+  EXPECT_LE(rule.stats().gradients_committed - rule.stats().gradients_placed, 4u * (kMax + 1));
+  // After the recovery the policy is back to bsp.
+  EXPECT_EQ(policy.decision().quorum, SyncMode::kAll);
+}
+
+}  // namespace
+}  // namespace dsync::ps
