@@ -271,7 +271,7 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   {
     Proc p({DSYNC_BINARY, "scheduler", "--sync", "dsync:x"}, {}, dir_ / "a.log");
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
-    EXPECT_NE(p.Output().find("expected bsp, dsync:K, dsync:K,Q, ssp:K or asp"),
+    EXPECT_NE(p.Output().find("expected bsp, dsync:K, dsync:K,Q, dsync:auto[:KMAX], ssp:K or asp"),
               std::string::npos)
         << p.Output();
   }
