@@ -963,9 +963,38 @@ TEST_P(TransportTest, DestructorShutsDown) {
   client_ = GetParam().make();  // for TearDown
 }
 
+TEST(TcpTransport, EmulatedLinkDelayHoldsEveryFrameAtLeastThatLong) {
+  Recorder server_h, client_h;
+  auto server = tcp::MakeTcpTransport();
+  auto delayed = tcp::MakeTcpTransport({25ms});
+  server->SetHandler(&server_h);
+  delayed->SetHandler(&client_h);
+  auto port = server->Listen("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok()) << port.status().ToString();
+  auto peer = delayed->Connect("127.0.0.1", *port, 5000);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  ASSERT_NE(server_h.WaitInbound(), kNoPeer);
+  for (uint64_t i = 0; i < 3; ++i) {
+    const auto sent = Clock::now();
+    ASSERT_TRUE(delayed->Send(*peer, TestHeader(MsgType::kPull, i), {}, nullptr, 0).ok());
+    ASSERT_TRUE(server_h.WaitFrames(i + 1));
+    EXPECT_GE(Clock::now() - sent, 25ms) << "frame " << i << " left before its delay";
+  }
+  auto frames = server_h.TakeFrames();
+  ASSERT_EQ(frames.size(), 3u);
+  for (uint64_t i = 0; i < frames.size(); ++i) EXPECT_EQ(frames[i].header.round, i);
+  delayed->Shutdown();
+  server->Shutdown();
+  client_h.Stop();
+  server_h.Stop();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Transports, TransportTest,
-    ::testing::Values(TransportKind{"tcp", [] { return tcp::MakeTcpTransport(); }, true}),
+    ::testing::Values(TransportKind{"tcp", [] { return tcp::MakeTcpTransport(); }, true},
+                      // The emulated link latency must not change any behaviour but timing.
+                      TransportKind{"tcp_delayed",
+                                    [] { return tcp::MakeTcpTransport({2ms}); }, true}),
     [](const ::testing::TestParamInfo<TransportKind>& p) { return p.param.name; });
 
 }  // namespace

@@ -97,6 +97,10 @@ struct Config {
   // the newest model without waiting and never pushes, so it never holds a round.
   bool observer = false;
 
+  // Emulated latency added to every frame this node sends (experiments with a far-away
+  // worker on one machine, like netem without root); 0 in production.
+  uint32_t link_delay_us = 0;
+
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_timeout_ms = 5000;
   uint32_t connect_timeout_ms = 30000;

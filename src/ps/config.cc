@@ -205,6 +205,14 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   if (const std::string* v = get({"DSYNC_MAX_GRADIENTS"})) {
     DSYNC_ASSIGN_OR_RETURN(c.max_gradients, ParseUnsigned("DSYNC_MAX_GRADIENTS", *v, UINT64_MAX));
   }
+  if (const std::string* v = get({"DSYNC_LINK_DELAY_MS"})) {
+    DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("DSYNC_LINK_DELAY_MS", *v));
+    if (!(ms >= 0.0f && ms <= 60000.0f)) {
+      return Error(StatusCode::kInvalidArgument,
+                   "DSYNC_LINK_DELAY_MS={} is outside 0 .. 60000 milliseconds", *v);
+    }
+    c.link_delay_us = static_cast<uint32_t>(ms * 1000.0f);
+  }
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_MS"}, &c.heartbeat_interval_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));

@@ -8,7 +8,9 @@
 namespace dsync::ps {
 
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
-  if (config.transport == "tcp" || config.transport == "auto") return tcp::MakeTcpTransport();
+  if (config.transport == "tcp" || config.transport == "auto") {
+    return tcp::MakeTcpTransport({std::chrono::microseconds(config.link_delay_us)});
+  }
   return Error(StatusCode::kUnimplemented,
                "transport '{}' is not available in this build; use --transport tcp",
                config.transport);

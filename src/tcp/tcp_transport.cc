@@ -172,13 +172,16 @@ struct OutFrame {
   std::vector<std::byte> meta;
   const void* payload = nullptr;
   ps::SendDone done;
+  std::chrono::steady_clock::time_point due;  // TcpOptions::send_delay after queueing
 
   uint64_t bytes() const { return sizeof(FrameHeader) + meta.size() + header.payload_len; }
 };
 
 struct Conn {
-  Conn(PeerId id_, int fd_, bool inbound_, std::string address_, ps::TransportHandler* h)
-      : id(id_), fd(fd_), inbound(inbound_), address(std::move(address_)), handler(h) {}
+  Conn(PeerId id_, int fd_, bool inbound_, std::string address_, ps::TransportHandler* h,
+       std::chrono::microseconds delay)
+      : id(id_), fd(fd_), inbound(inbound_), address(std::move(address_)), handler(h),
+        send_delay(delay) {}
   // The fd is closed only here, after both threads are joined, so a concurrent Close()
   // holding a reference can never shut down a reused descriptor.
   ~Conn() { close(fd); }
@@ -216,6 +219,7 @@ struct Conn {
   const bool inbound;
   const std::string address;
   ps::TransportHandler* const handler;
+  const std::chrono::microseconds send_delay;
   std::thread reader;  // joined by Reap()/Shutdown()
   std::thread writer;  // joined by the reader
 
@@ -402,7 +406,8 @@ Result<PeerId> TcpTransport::Adopt(int fd, bool inbound) {
     return Error(StatusCode::kAborted, "transport is shut down");
   }
   const PeerId id = next_peer_.fetch_add(1);
-  auto c = std::make_shared<Conn>(id, fd, inbound, std::move(address), handler_.load());
+  auto c = std::make_shared<Conn>(id, fd, inbound, std::move(address), handler_.load(),
+                                  options_.send_delay);
   // Threads start under mu_ so that ReaderMain cannot reach finished_ (and be joined)
   // before c->reader is assigned.
   try {
@@ -586,6 +591,7 @@ Status Enqueue(Conn& c, FrameHeader header, std::span<const std::byte> meta, con
   f.meta.assign(meta.begin(), meta.end());
   f.payload = payload;
   f.done = std::move(done);
+  if (c.send_delay.count() > 0) f.due = std::chrono::steady_clock::now() + c.send_delay;
   const bool wake = c.queued == 1;  // the writer only sleeps on an empty queue
   lock.unlock();
   if (wake) c.writer_cv.notify_all();
@@ -604,6 +610,17 @@ void TcpTransport::WriterMain(Conn& c) {
       if (c.stop || c.queued == 0) break;
       std::swap(c.queue, batch);
       n = std::exchange(c.queued, 0);
+      if (c.send_delay.count() > 0) {
+        // Emulated latency: the batch leaves when its newest frame is due (frames queued
+        // together, as a push's slices are, leave together).
+        c.writer_cv.wait_until(lock, batch[n - 1].due, [&] { return c.stop; });
+        if (c.stop) {
+          lock.unlock();
+          const Status failure = c.SendFailure();
+          for (size_t i = 0; i < n; ++i) Complete(batch[i], failure);
+          break;
+        }
+      }
     }
     size_t sent = 0;
     if (!WriteBatch(c, batch, n, &sent)) {
@@ -720,6 +737,10 @@ std::string TcpTransport::PeerAddress(PeerId peer) const {
   return fmt::format("peer {}", peer);
 }
 
-std::unique_ptr<ps::Transport> MakeTcpTransport() { return std::make_unique<TcpTransport>(); }
+TcpTransport::TcpTransport(TcpOptions options) : options_(options) {}
+
+std::unique_ptr<ps::Transport> MakeTcpTransport(TcpOptions options) {
+  return std::make_unique<TcpTransport>(options);
+}
 
 }  // namespace dsync::tcp

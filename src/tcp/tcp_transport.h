@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -26,9 +27,16 @@ struct Conn;
 struct Listener;
 }  // namespace detail
 
+struct TcpOptions {
+  // Emulated one-way latency: every frame this node sends leaves this long after it was
+  // queued (frames keep their order and may overlap, as on a long link). For experiments
+  // with a far-away worker on one machine; 0 in production.
+  std::chrono::microseconds send_delay{0};
+};
+
 class TcpTransport final : public ps::Transport {
  public:
-  TcpTransport() = default;
+  explicit TcpTransport(TcpOptions options = {});
   ~TcpTransport() override;
   TcpTransport(const TcpTransport&) = delete;
   TcpTransport& operator=(const TcpTransport&) = delete;
@@ -60,6 +68,7 @@ class TcpTransport final : public ps::Transport {
   // Joins the reader threads of connections that have ended.
   void Reap();
 
+  const TcpOptions options_;
   std::atomic<ps::TransportHandler*> handler_{nullptr};
   std::atomic<ps::PeerId> next_peer_{1};
 
@@ -73,6 +82,6 @@ class TcpTransport final : public ps::Transport {
   std::mutex shutdown_mu_;  // makes a second Shutdown() wait for the first
 };
 
-std::unique_ptr<ps::Transport> MakeTcpTransport();
+std::unique_ptr<ps::Transport> MakeTcpTransport(TcpOptions options = {});
 
 }  // namespace dsync::tcp
