@@ -452,14 +452,41 @@ TEST(Cluster, ObserverReadsTheNewestModelWithoutHoldingRounds) {
   EXPECT_GT(probe.pulls.size(), 3u);
   EXPECT_EQ(probe.pulls.back().second, kIters);
   ExpectModelCounts(probe, kWorkers * kIters);
+  EXPECT_FALSE(obs.final_version().has_value());
   for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
-  // The job ends when the workers are gone, observer or not.
-  ASSERT_TRUE(cluster.WaitFinished().ok());
+  // Training is over when the workers are gone: the observer is told the final version and
+  // the servers wait for it to read the final model and leave.
+  for (int i = 0; i < 1000 && !obs.final_version(); ++i) std::this_thread::sleep_for(2ms);
+  ASSERT_TRUE(obs.final_version().has_value());
+  EXPECT_EQ(*obs.final_version(), kIters);
+  ASSERT_TRUE(probe.Pull());
+  EXPECT_EQ(probe.pulls.back().second, kIters);
+  ASSERT_TRUE(obs.Leave().ok());
+  ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(10)).ok());
   const auto history = cluster.scheduler().history();
   ASSERT_EQ(history.size(), kIters);
   for (const RoundRecord& r : history) EXPECT_EQ(r.live_workers, static_cast<uint32_t>(kWorkers));
   EXPECT_EQ(cluster.scheduler().stats().workers_joined, static_cast<uint32_t>(kWorkers));
-  EXPECT_TRUE(obs.Leave().ok());
+}
+
+TEST(Cluster, AnObserverThatVanishesDoesNotHoldTheJob) {
+  Config cfg = TestConfig("bsp", 1, 1);
+  cfg.optimizer.kind = OptimizerKind::kSum;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  Config ocfg = cluster.WorkerConfig();
+  ocfg.observer = true;
+  auto observer = Worker::Start(ocfg);
+  ASSERT_TRUE(observer.ok()) << observer.status().ToString();
+  auto workers = StartWorkers(cluster.WorkerConfig(), 1);
+  ASSERT_EQ(workers.size(), 1u);
+  SumWorker sum(*workers[0]);
+  ASSERT_TRUE(sum.Iterate(0us));
+  (*observer)->Abandon();  // a crash: the job must not wait out the grace period for it
+  ASSERT_TRUE(workers[0]->Leave().ok());
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(20)).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
 }
 
 TEST(Cluster, GradientBudgetStopsEveryWorker) {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -66,6 +67,10 @@ class Worker {
   // The scheduler said the job's gradient budget is spent (Config::max_gradients): finish
   // the iteration in hand and Leave(). Seen with the acknowledgement of a push.
   virtual bool stop_requested() const = 0;
+
+  // Observers: training is over and the model's final version is this; the job waits
+  // (up to 30 s) for its observers to pull it and Leave() before the servers stop.
+  virtual std::optional<Version> final_version() const = 0;
 
   virtual Clock clock() const = 0;            // clock of the gradient being computed now
   virtual Version base_version() const = 0;   // lowest version among the latest pulls

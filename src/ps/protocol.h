@@ -48,7 +48,8 @@ enum class MsgType : uint16_t {
   kRound = 20,      // round = R, meta = RoundMember[]: the gradients round R applies
   kWorkerGone = 21, // sender-independent: tensor = worker id, round = its last committed clock + 1
   kApplied = 22,    // round = R: the server applied round R
-  kShutdown = 23,
+  kShutdown = 23,   // scheduler -> server: the job is over; -> observer: training is over,
+                    // round = the final version (read it, then leave)
   // worker <-> server
   kInit = 30,      // tensor, slice, meta = InitMeta, payload = initial values
   kInitAck = 31,   // aux = slice version

@@ -122,7 +122,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (info.kind == PeerKind::kWorker) {
       HandleWorker(peer, info.id, h);
     } else if (info.kind == PeerKind::kObserver) {
-      if (h.msg_type() != MsgType::kHeartbeat) {
+      if (h.msg_type() == MsgType::kLeave) {
+        FrameHeader ack = MakeHeader(MsgType::kLeaveAck, kSchedulerId);
+        ack.request = h.request;
+        SendTracked(peer, ack);
+        observers_.erase(info.id);
+        CheckFinished();
+      } else if (h.msg_type() != MsgType::kHeartbeat) {
         Refuse(peer, h,
                Error(StatusCode::kPermissionDenied,
                      "observer {} is read-only: it pulls from the servers and sends the "
@@ -145,6 +151,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (finished_) return;
     if (info.kind == PeerKind::kObserver) {
       std::erase_if(waiting_observers_, [&](const WaitingObserver& w) { return w.peer == peer; });
+      observers_.erase(info.id);
+      CheckFinished();
       return;
     }
     if (info.kind == PeerKind::kServer) {
@@ -257,6 +265,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = o.request;
       (void)transport_->Send(o.peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
+      observers_[o.id] = o.peer;
       spdlog::info("scheduler: observer {} connected from {}", o.id,
                    transport_->PeerAddress(o.peer));
     }
@@ -498,6 +507,23 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     for (const ServerEntry& s : servers_) {
       if (s.applied < rule_.open_round()) return;
     }
+    // Observers get to read the final model before the servers go: they are told the final
+    // version and the job waits (bounded) until they leave.
+    if (!observers_.empty()) {
+      if (!observers_told_) {
+        observers_told_ = true;
+        observers_deadline_ = SteadyClock::now() + kObserverGrace;
+        FrameHeader done = MakeHeader(MsgType::kShutdown, kSchedulerId);
+        done.round = rule_.open_round();
+        for (const auto& [id, peer] : observers_) (void)SendControl(*transport_, peer, done);
+        spdlog::info("scheduler: training is over at version {}; waiting for {} observer(s) to "
+                     "read the final model",
+                     rule_.open_round(), observers_.size());
+      }
+      if (SteadyClock::now() < observers_deadline_) return;
+      spdlog::warn("scheduler: {} observer(s) did not leave within {} s; ending the job anyway",
+                   observers_.size(), kObserverGrace.count());
+    }
     spdlog::info("scheduler: every worker is gone and all {} round(s) are applied; ending the job",
                  rule_.open_round());
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
@@ -539,6 +565,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         RemoveWorker(id, /*failed=*/true,
                      fmt::format("no heartbeat for {} ms", cfg_.heartbeat_timeout_ms));
       }
+      if (observers_told_) CheckFinished();  // the observers' grace period may be over
     }
   }
 
@@ -564,6 +591,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     uint64_t request;  // of its hello
   };
   std::vector<WaitingObserver> waiting_observers_;
+  std::map<NodeId, PeerId> observers_;  // admitted
+  bool observers_told_ = false;         // training is over; they read the final model
+  static constexpr std::chrono::seconds kObserverGrace{30};
+  SteadyClock::time_point observers_deadline_;
   bool budget_spent_ = false;
   bool started_ = false;
   bool finished_ = false;

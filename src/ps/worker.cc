@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -204,16 +205,14 @@ class WorkerNode final : public Worker, public TransportHandler {
     return stop_requested_;
   }
 
+  std::optional<Version> final_version() const override {
+    std::lock_guard lock(mu_);
+    return final_version_;
+  }
+
   Status Leave() override {
     std::unique_lock lock(mu_);
     if (left_) return Status::Ok();
-    if (job_.observer) {
-      // Never a member of the rounds: nothing to commit or to announce.
-      left_ = true;
-      lock.unlock();
-      StopThreads();
-      return Status::Ok();
-    }
     if (pushed_count_ > 0) CompleteClock();  // commit what was pushed: never lost
     cv_.wait(lock, [&] { return clocks_.empty() || !broken_.ok(); });
     DSYNC_RETURN_IF_ERROR(broken_);
@@ -286,6 +285,9 @@ class WorkerNode final : public Worker, public TransportHandler {
         break;
       case MsgType::kLeaveAck:
         left_ = true;
+        break;
+      case MsgType::kShutdown:
+        if (job_.observer && peer == scheduler_) final_version_ = h.round;
         break;
       default:
         spdlog::warn("worker {}: unexpected {} frame", job_.worker_id, MsgTypeName(h.msg_type()));
@@ -729,6 +731,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   std::vector<ClockState> clocks_;  // oldest first; rarely more than two
   Clock clock_ = 0;
   bool stop_requested_ = false;
+  std::optional<Version> final_version_;  // observers: training ended at this version
   Clock gate_clock_ = 0;   // pulls at clocks up to this one may go out...
   Version gate_ = 0;       // ...asking for at least this version
   Version base_ = 0;
