@@ -1,7 +1,4 @@
-// `dsyncps local`: a whole cluster as separate processes on this machine. The scheduler is
-// started first and reports its port through a pipe (DSYNC_READY_FD), then the servers and
-// workers; every child's output is relayed line by line with a prefix naming it. Children
-// die with the launcher (PR_SET_PDEATHSIG) and are killed when the job ends or times out.
+// The process launcher behind `dsyncps local` and `dsyncps train` (launcher.h).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -22,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "launcher.h"
 #include "roles.h"
 
 namespace dsync::app {
@@ -32,6 +30,9 @@ using SteadyClock = std::chrono::steady_clock;
 struct Child {
   std::string name;
   bool is_worker = false;
+  int index = -1;          // workers: their index in the plan
+  bool on_demand = false;  // started by LaunchHooks::start_worker
+  std::map<std::string, std::string> env;
   pid_t pid = -1;
   int out = -1;            // its stdout+stderr
   std::string partial;     // an unfinished output line
@@ -53,41 +54,6 @@ void OnSignal(int sig) {
 std::string RandomToken() {
   std::random_device rd;
   return fmt::format("{:08x}{:08x}", rd(), rd());
-}
-
-std::vector<std::string> SplitWords(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> words;
-  for (std::string w; in >> w;) words.push_back(w);
-  return words;
-}
-
-// "I=VALUE" -> (I, VALUE)
-bool ParseIndexed(const std::string& spec, uint32_t limit, uint32_t* index, std::string* value) {
-  const auto eq = spec.find('=');
-  if (eq == std::string::npos) return false;
-  char* end = nullptr;
-  const unsigned long i = std::strtoul(spec.c_str(), &end, 10);
-  if (end != spec.c_str() + eq || i >= limit) return false;
-  *index = static_cast<uint32_t>(i);
-  *value = spec.substr(eq + 1);
-  return true;
-}
-
-// Every "I=VALUE" of a repeated flag; false (after saying why) on a malformed one.
-bool ParseIndexedAll(const std::vector<std::string>& specs, uint32_t limit, const char* flag,
-                     const char* what, std::map<uint32_t, std::string>* out) {
-  for (const std::string& spec : specs) {
-    uint32_t i = 0;
-    std::string v;
-    if (!ParseIndexed(spec, limit, &i, &v)) {
-      std::fprintf(stderr, "dsyncps: error: %s '%s' is not WORKER=%s with WORKER < %u\n", flag,
-                   spec.c_str(), what, limit);
-      return false;
-    }
-    (*out)[i] = v;
-  }
-  return true;
 }
 
 // fork + exec of `self` with the given arguments and extra environment; the child's stdout
@@ -144,7 +110,16 @@ int ReadPort(int fd, int timeout_ms) {
   return -1;
 }
 
-void Relay(Child& c, bool flush) {
+void Emit(const Child& c, std::string_view line, const LaunchHooks& hooks) {
+  if (hooks.on_line && !hooks.on_line(c.index, line)) return;
+  if (hooks.print) {
+    hooks.print(c.name, line);
+  } else {
+    std::printf("[%s] %.*s\n", c.name.c_str(), static_cast<int>(line.size()), line.data());
+  }
+}
+
+void Relay(Child& c, bool flush, const LaunchHooks& hooks) {
   char buf[4096];
   for (;;) {
     const ssize_t n = read(c.out, buf, sizeof(buf));
@@ -162,15 +137,15 @@ void Relay(Child& c, bool flush) {
   size_t start = 0;
   for (size_t nl; (nl = c.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
     const std::string_view line(c.partial.data() + start, nl - start);
-    std::printf("[%s] %.*s\n", c.name.c_str(), static_cast<int>(line.size()), line.data());
     if (c.is_worker && (line.find("final ") != std::string_view::npos ||
                         line.find("completed") != std::string_view::npos)) {
       c.result = std::string(line);
     }
+    Emit(c, line, hooks);
   }
   c.partial.erase(0, start);
   if (flush && !c.partial.empty()) {
-    std::printf("[%s] %s\n", c.name.c_str(), c.partial.c_str());
+    Emit(c, c.partial, hooks);
     c.partial.clear();
   }
   std::fflush(stdout);
@@ -184,32 +159,54 @@ std::string Describe(int status) {
 
 }  // namespace
 
-int RunLocal(const std::string& self, const LocalOptions& local, const Config& job,
-             const TrainOptions& train) {
-  // Joiners and per-worker flags.
-  std::map<uint32_t, std::string> join_spec, extra_spec;
-  if (!ParseIndexedAll(local.join, local.workers, "--join", "MILLISECONDS", &join_spec) ||
-      !ParseIndexedAll(local.worker_extra, local.workers, "--worker-flags", "FLAGS", &extra_spec)) {
-    return 2;
-  }
-  std::map<uint32_t, uint32_t> join_ms;
-  for (const auto& [i, v] : join_spec) {
-    join_ms[i] = static_cast<uint32_t>(std::strtoul(v.c_str(), nullptr, 10));
-  }
-  std::map<uint32_t, std::vector<std::string>> extra;
-  for (const auto& [i, v] : extra_spec) extra[i] = SplitWords(v);
-  if (join_ms.size() >= local.workers) {
-    std::fprintf(stderr, "dsyncps: error: at least one worker must start the job (not join it)\n");
-    return 2;
-  }
+std::vector<std::string> SplitWords(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> words;
+  for (std::string w; in >> w;) words.push_back(w);
+  return words;
+}
 
+// "I=VALUE" -> (I, VALUE)
+static bool ParseIndexed(const std::string& spec, uint32_t limit, uint32_t* index, std::string* value) {
+  const auto eq = spec.find('=');
+  if (eq == std::string::npos) return false;
+  char* end = nullptr;
+  const unsigned long i = std::strtoul(spec.c_str(), &end, 10);
+  if (end != spec.c_str() + eq || i >= limit) return false;
+  *index = static_cast<uint32_t>(i);
+  *value = spec.substr(eq + 1);
+  return true;
+}
+
+// Every "I=VALUE" of a repeated flag; false (after saying why) on a malformed one.
+bool ParseIndexedAll(const std::vector<std::string>& specs, uint32_t limit, const char* flag,
+                     const char* what, std::map<uint32_t, std::string>* out) {
+  for (const std::string& spec : specs) {
+    uint32_t i = 0;
+    std::string v;
+    if (!ParseIndexed(spec, limit, &i, &v)) {
+      std::fprintf(stderr, "dsyncps: error: %s '%s' is not WORKER=%s with WORKER < %u\n", flag,
+                   spec.c_str(), what, limit);
+      return false;
+    }
+    (*out)[i] = v;
+  }
+  return true;
+}
+
+
+LaunchOutcome RunCluster(const std::string& self, const Config& job, const LaunchPlan& plan,
+                         const LaunchHooks& hooks) {
+  LaunchOutcome outcome;
+  uint32_t initial = 0;
+  for (const WorkerLaunch& w : plan.workers) initial += w.joins() ? 0 : 1;
   // The job configuration travels in the environment, as it would under any launcher.
   std::map<std::string, std::string> env = {
       {"DSYNC_SCHEDULER_URI", job.bind_host},
       {"DSYNC_INTERFACE", job.bind_host},
       {"DSYNC_TOKEN", job.token.empty() ? RandomToken() : job.token},
-      {"DSYNC_NUM_SERVERS", std::to_string(local.servers)},
-      {"DSYNC_NUM_WORKERS", std::to_string(local.workers - join_ms.size())},
+      {"DSYNC_NUM_SERVERS", std::to_string(plan.servers)},
+      {"DSYNC_NUM_WORKERS", std::to_string(initial)},
       {"DSYNC_SYNC", job.sync.ToString()},
       {"DSYNC_OPTIMIZER", std::string(OptimizerName(job.optimizer.kind))},
       {"DSYNC_LR", fmt::format("{}", job.optimizer.lr)},
@@ -226,21 +223,8 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
       {"DSYNC_STORE", job.store},
       {"DSYNC_PORT", "0"},
   };
-  std::vector<std::string> train_args = {
-      "--model",     train.model,
-      "--iters",     std::to_string(train.iters),
-      "--batch",     std::to_string(train.batch),
-      "--dim",       std::to_string(train.dim),
-      "--samples",   std::to_string(train.samples),
-      "--tensor-elems", std::to_string(train.tensor_elems),
-      "--data-dir",  train.data_dir,
-      "--eval-every", std::to_string(train.eval_every),
-      "--eval-samples", std::to_string(train.eval_samples),
-      "--seed",      std::to_string(train.seed),
-      "--compute-ms", fmt::format("{}", train.compute_ms),
-      "--log-every", std::to_string(train.log_every)};
 
-  if (pipe(g_signal_pipe) != 0) return 1;
+  if (pipe(g_signal_pipe) != 0) return outcome;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
 
@@ -250,10 +234,20 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
       if (c.started && !c.exited) kill(c.pid, sig);
     }
   };
+  auto finish = [&] {
+    close(g_signal_pipe[0]);
+    close(g_signal_pipe[1]);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    for (const Child& c : children) {
+      outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result});
+    }
+    return outcome;
+  };
 
   // 1. The scheduler, on a free port it reports back.
   int ready[2];
-  if (pipe2(ready, O_CLOEXEC) != 0) return 1;
+  if (pipe2(ready, O_CLOEXEC) != 0) return finish();
   {
     Child c;
     c.name = "scheduler";
@@ -261,6 +255,7 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
     senv["DSYNC_READY_FD"] = "3";
     senv["DSYNC_SCHEDULER_PORT"] = "0";
     if (!job.audit_log.empty()) senv["DSYNC_AUDIT_LOG"] = job.audit_log;
+    for (const auto& [k, v] : plan.scheduler_env) senv[k] = v;
     c.pid = Spawn(self, {"scheduler"}, senv, ready[1], &c.out);
     c.started = c.pid > 0;
     children.push_back(std::move(c));
@@ -269,47 +264,47 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
   const int port = children[0].started ? ReadPort(ready[0], 15000) : -1;
   close(ready[0]);
   if (port <= 0) {
-    Relay(children[0], true);
+    Relay(children[0], true, hooks);
     std::fprintf(stderr, "dsyncps: error: the scheduler did not start (see its output above)\n");
     kill_all(SIGKILL);
-    return 1;
+    return finish();
   }
   env["DSYNC_SCHEDULER_PORT"] = std::to_string(port);
-  std::printf("dsyncps local: scheduler on %s:%d, %u server(s), %u worker(s), sync %s\n",
-              job.bind_host.c_str(), port, local.servers, local.workers,
-              job.sync.ToString().c_str());
-  std::fflush(stdout);
+  if (hooks.on_started) hooks.on_started(env);
 
   // 2. Servers, then workers (joiners later).
   const auto t0 = SteadyClock::now();
-  for (uint32_t i = 0; i < local.servers; ++i) {
+  for (uint32_t i = 0; i < plan.servers; ++i) {
     Child c;
     c.name = fmt::format("server {}", i);
     c.argv = {"server"};
+    c.env = env;
+    if (!job.dump_model.empty()) c.env["DSYNC_DUMP_MODEL"] = job.dump_model;
     children.push_back(std::move(c));
   }
-  for (uint32_t i = 0; i < local.workers; ++i) {
+  for (uint32_t i = 0; i < plan.workers.size(); ++i) {
+    const WorkerLaunch& w = plan.workers[i];
     Child c;
     c.name = fmt::format("worker {}", i);
     c.is_worker = true;
+    c.index = static_cast<int>(i);
     c.argv = {"worker"};
-    c.argv.insert(c.argv.end(), train_args.begin(), train_args.end());
-    c.argv.insert(c.argv.end(), extra[i].begin(), extra[i].end());
-    c.start_at = t0 + std::chrono::milliseconds(join_ms.contains(i) ? join_ms[i] : 0);
+    c.argv.insert(c.argv.end(), w.args.begin(), w.args.end());
+    c.env = env;
+    for (const auto& [k, v] : w.env) c.env[k] = v;
+    c.start_at = t0 + std::chrono::milliseconds(w.start_after_ms);
+    c.on_demand = w.on_demand;
     children.push_back(std::move(c));
   }
-  auto server_env = env;
-  if (!job.dump_model.empty()) server_env["DSYNC_DUMP_MODEL"] = job.dump_model;
 
-  const auto deadline = t0 + std::chrono::seconds(local.timeout_s);
+  const auto deadline = t0 + std::chrono::seconds(plan.timeout_s);
   std::optional<SteadyClock::time_point> scheduler_gone;
-  int interrupted = 0;
-  bool timed_out = false;
   for (;;) {
     const auto now = SteadyClock::now();
     for (Child& c : children) {
       if (c.started || c.exited || now < c.start_at || scheduler_gone) continue;
-      c.pid = Spawn(self, c.argv, c.is_worker ? env : server_env, -1, &c.out);
+      if (c.on_demand && !(hooks.start_worker && hooks.start_worker(c.index))) continue;
+      c.pid = Spawn(self, c.argv, c.env, -1, &c.out);
       c.started = true;
       if (c.pid < 0) {
         c.exited = true;
@@ -327,63 +322,129 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
     fds.push_back({g_signal_pipe[0], POLLIN, 0});
     poll(fds.data(), fds.size(), 50);
     for (size_t i = 0; i < owners.size(); ++i) {
-      if (fds[i].revents) Relay(*owners[i], false);
+      if (fds[i].revents) Relay(*owners[i], false, hooks);
     }
     if (fds.back().revents) {
       char sig = 0;
       (void)!read(g_signal_pipe[0], &sig, 1);
-      interrupted = sig;
-      std::fprintf(stderr, "dsyncps local: signal %d; stopping the cluster\n", sig);
+      outcome.interrupted = sig;
+      std::fprintf(stderr, "dsyncps: signal %d; stopping the cluster\n", sig);
       kill_all(SIGTERM);
     }
     for (Child& c : children) {
       if (!c.started || c.exited) continue;
       int status = 0;
       if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
-        if (c.out >= 0) Relay(c, true);
+        if (c.out >= 0) Relay(c, true, hooks);
         c.exited = true;
         c.status = status;
         if (&c == &children[0]) scheduler_gone = SteadyClock::now();
+        if (c.is_worker && hooks.on_worker_exit) hooks.on_worker_exit(c.index, status);
       }
     }
+    if (hooks.on_tick) hooks.on_tick();
     bool all_done = true;
     for (const Child& c : children) all_done = all_done && (c.exited || !c.started);
-    if (all_done && (scheduler_gone || interrupted)) break;
+    if (all_done && (scheduler_gone || outcome.interrupted)) break;
     // The job is over once the scheduler is: give the rest a moment, then stop them (a
     // worker stopped by SIGSTOP, say, would never exit by itself).
     if (scheduler_gone && SteadyClock::now() - *scheduler_gone > std::chrono::seconds(2)) {
       kill_all(SIGKILL);
     }
-    if (!timed_out && SteadyClock::now() > deadline) {
-      timed_out = true;
-      std::fprintf(stderr, "dsyncps local: the job did not finish within %u s; killing it\n",
-                   local.timeout_s);
+    if (!outcome.timed_out && SteadyClock::now() > deadline) {
+      outcome.timed_out = true;
+      std::fprintf(stderr, "dsyncps: the job did not finish within %u s; killing it\n",
+                   plan.timeout_s);
       kill_all(SIGKILL);
     }
-    if (interrupted && SteadyClock::now() > deadline) kill_all(SIGKILL);
+    if (outcome.interrupted && SteadyClock::now() > deadline) kill_all(SIGKILL);
   }
 
-  // Summary: the job succeeded if the scheduler and servers finished cleanly; a worker
-  // killed by a signal is a failure the job is built to survive, not a failed job.
-  bool ok = !timed_out && !interrupted;
-  int killed = 0;
-  std::printf("dsyncps local: summary\n");
+  // The job succeeded if the scheduler and servers finished cleanly; a worker killed by a
+  // signal is a failure the job is built to survive, not a failed job.
+  outcome.ok = !outcome.timed_out && !outcome.interrupted;
   for (const Child& c : children) {
     if (!c.started) continue;
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
     if (c.is_worker && WIFSIGNALED(c.status)) {
-      ++killed;
+      ++outcome.workers_killed;
     } else if (!clean) {
-      ok = false;
+      outcome.ok = false;
     }
+  }
+  return finish();
+}
+
+void PrintLaunchSummary(const LaunchOutcome& outcome, const char* who) {
+  std::printf("%s: summary\n", who);
+  for (const ChildOutcome& c : outcome.children) {
+    if (!c.started) continue;
     std::printf("  %-10s %-22s %s\n", c.name.c_str(), Describe(c.status).c_str(),
                 c.result.c_str());
   }
-  if (killed) std::printf("  %d worker(s) were killed during the job; it carried on without them\n", killed);
-  std::printf("dsyncps local: %s\n", ok ? "job finished" : "job FAILED");
+  if (outcome.workers_killed) {
+    std::printf("  %d worker(s) were killed during the job; it carried on without them\n",
+                outcome.workers_killed);
+  }
+  std::printf("%s: %s\n", who, outcome.ok ? "job finished" : "job FAILED");
   std::fflush(stdout);
-  if (interrupted) return 130;
-  return ok ? 0 : 1;
+}
+
+int LaunchExitCode(const LaunchOutcome& outcome) {
+  if (outcome.interrupted) return 130;
+  return outcome.ok ? 0 : 1;
+}
+
+int RunLocal(const std::string& self, const LocalOptions& local, const Config& job,
+             const TrainOptions& train) {
+  // Joiners and per-worker flags.
+  std::map<uint32_t, std::string> join_spec, extra_spec;
+  if (!ParseIndexedAll(local.join, local.workers, "--join", "MILLISECONDS", &join_spec) ||
+      !ParseIndexedAll(local.worker_extra, local.workers, "--worker-flags", "FLAGS", &extra_spec)) {
+    return 2;
+  }
+  if (join_spec.size() >= local.workers) {
+    std::fprintf(stderr, "dsyncps: error: at least one worker must start the job (not join it)\n");
+    return 2;
+  }
+  const std::vector<std::string> train_args = {
+      "--model",     train.model,
+      "--iters",     std::to_string(train.iters),
+      "--batch",     std::to_string(train.batch),
+      "--dim",       std::to_string(train.dim),
+      "--samples",   std::to_string(train.samples),
+      "--tensor-elems", std::to_string(train.tensor_elems),
+      "--data-dir",  train.data_dir,
+      "--eval-every", std::to_string(train.eval_every),
+      "--eval-samples", std::to_string(train.eval_samples),
+      "--seed",      std::to_string(train.seed),
+      "--compute-ms", fmt::format("{}", train.compute_ms),
+      "--log-every", std::to_string(train.log_every)};
+  LaunchPlan plan;
+  plan.servers = local.servers;
+  plan.timeout_s = local.timeout_s;
+  for (uint32_t i = 0; i < local.workers; ++i) {
+    WorkerLaunch w;
+    w.args = train_args;
+    if (auto it = extra_spec.find(i); it != extra_spec.end()) {
+      for (std::string& word : SplitWords(it->second)) w.args.push_back(std::move(word));
+    }
+    if (auto it = join_spec.find(i); it != join_spec.end()) {
+      w.start_after_ms = std::max<uint32_t>(
+          1, static_cast<uint32_t>(std::strtoul(it->second.c_str(), nullptr, 10)));
+    }
+    plan.workers.push_back(std::move(w));
+  }
+  LaunchHooks hooks;
+  hooks.on_started = [&](const std::map<std::string, std::string>& env) {
+    std::printf("dsyncps local: scheduler on %s:%s, %u server(s), %u worker(s), sync %s\n",
+                job.bind_host.c_str(), env.at("DSYNC_SCHEDULER_PORT").c_str(), local.servers,
+                local.workers, job.sync.ToString().c_str());
+    std::fflush(stdout);
+  };
+  const LaunchOutcome outcome = RunCluster(self, job, plan, hooks);
+  PrintLaunchSummary(outcome, "dsyncps local");
+  return LaunchExitCode(outcome);
 }
 
 }  // namespace dsync::app

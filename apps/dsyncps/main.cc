@@ -48,6 +48,13 @@ void AddTrainFlags(CLI::App& app, TrainOptions& t) {
   app.add_option("--kill-point", t.kill_point, "after-push | mid-push")->capture_default_str();
   app.add_option("--hang-at-iter", t.hang_at_iter,
                  "failure injection: SIGSTOP itself here (stops heartbeating)");
+  app.add_option("--leave-at-round", t.leave_at_round,
+                 "mlp: leave gracefully once the model reaches this version");
+  app.add_option("--kill-at-round", t.kill_at_round,
+                 "mlp: SIGKILL itself once the model reaches this version");
+  app.add_option("--report-every", t.report_every,
+                 "mlp: print an @progress JSON line every N iterations (for launchers)")
+      ->capture_default_str();
 }
 
 std::string SelfPath(const char* argv0) {

@@ -19,7 +19,7 @@ int RunServer(const Config& config);
 
 struct TrainOptions {
   std::string model = "linreg";  // mlp (Fashion-MNIST) | linreg | count
-  uint32_t iters = 100;
+  uint32_t iters = 100;          // mlp: 0 trains until the job's gradient budget is spent
   uint32_t batch = 32;
   uint32_t dim = 256;
   uint32_t samples = 8192;
@@ -36,6 +36,13 @@ struct TrainOptions {
   int64_t kill_at_iter = -1;
   std::string kill_point = "after-push";  // after-push | mid-push
   int64_t hang_at_iter = -1;              // SIGSTOP itself: stops heartbeating
+  // Scenarios by model version (mlp): leave gracefully / SIGKILL itself once it pulls a
+  // model of at least this version.
+  int64_t leave_at_round = -1;
+  int64_t kill_at_round = -1;
+  // mlp: every N iterations print a machine-readable progress line for a launcher:
+  //   @progress {"it":N,"v":VERSION,"loss":MEAN,"compute_ms":MEAN}
+  uint32_t report_every = 0;
 };
 int RunWorker(const Config& config, const TrainOptions& train);
 

@@ -207,7 +207,31 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
   o.eval_samples = t.eval_samples;
   o.compute_ms = t.compute_ms;
   o.slow = t.slow;
+  o.final_eval = t.eval_every > 0;  // a launcher's observer evaluates instead
+  o.keep_going = [&](uint32_t, Version v) {
+    if (t.kill_at_round >= 0 && v >= static_cast<uint64_t>(t.kill_at_round)) {
+      KillSelf(fmt::format("killed at round {}", v).c_str(), 0);
+    }
+    if (t.leave_at_round >= 0 && v >= static_cast<uint64_t>(t.leave_at_round)) {
+      std::printf("worker %u: leaving at round %llu\n", me, static_cast<unsigned long long>(v));
+      return false;
+    }
+    return true;
+  };
+  double loss_sum = 0, compute_sum = 0;
+  uint32_t since_report = 0;
   auto report = train::TrainMlp(w, *train, *test, o, [&](const train::Progress& p) {
+    if (t.report_every) {
+      loss_sum += p.loss;
+      compute_sum += p.compute_seconds;
+      if (++since_report == t.report_every) {
+        std::printf("@progress {\"it\":%u,\"v\":%llu,\"loss\":%.5f,\"compute_ms\":%.3f}\n",
+                    p.iteration, static_cast<unsigned long long>(p.version),
+                    loss_sum / since_report, 1000 * compute_sum / since_report);
+        loss_sum = compute_sum = 0;
+        since_report = 0;
+      }
+    }
     if (p.eval) {
       std::printf("worker %u: iter %u version %llu test accuracy %.4f (loss %.4f, %u samples, "
                   "%.1f s)\n",
@@ -223,11 +247,16 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
     std::fflush(stdout);
   });
   if (!report.ok()) return Fail(report.status());
-  std::printf("worker %u: final test accuracy %.4f, loss %.4f at version %llu after %u "
-              "iterations (%.1f s, shard %u of %u)\n",
-              me, report->final_eval.accuracy, report->final_eval.loss,
-              static_cast<unsigned long long>(report->final_version), report->iterations,
-              report->seconds, o.shard, o.shards);
+  if (o.final_eval) {
+    std::printf("worker %u: final test accuracy %.4f, loss %.4f at version %llu after %u "
+                "iterations (%.1f s, shard %u of %u)\n",
+                me, report->final_eval.accuracy, report->final_eval.loss,
+                static_cast<unsigned long long>(report->final_version), report->iterations,
+                report->seconds, o.shard, o.shards);
+  } else {
+    std::printf("worker %u: completed %u iterations (%.1f s, shard %u of %u)\n", me,
+                report->iterations, report->seconds, o.shard, o.shards);
+  }
   std::fflush(stdout);
   return 0;
 }

@@ -2,15 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <random>
-#include <thread>
 
+#include "evaluator.h"
 #include "worker_io.h"
 
 namespace dsync::train {
-namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
@@ -20,77 +17,6 @@ std::vector<uint32_t> LayerSizes(const Dataset& data, const std::vector<uint32_t
   sizes.push_back(10);
   return sizes;
 }
-
-// Evaluates snapshots of the parameters on a thread of its own; a snapshot offered while
-// the previous one is still being evaluated is skipped rather than waited for.
-class BackgroundEvaluator {
- public:
-  BackgroundEvaluator(const Dataset& test, std::vector<uint32_t> sizes, uint32_t samples,
-                      const std::vector<ParamSpec>& specs, SteadyClock::time_point start)
-      : test_(test), model_(std::move(sizes), 500), samples_(samples), start_(start) {
-    for (const ParamSpec& s : specs) snapshot_.emplace_back(s.size);
-    thread_ = std::thread([this] { Loop(); });
-  }
-  ~BackgroundEvaluator() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-
-  void Offer(const std::vector<std::vector<float>>& params, uint32_t iteration, Version v) {
-    std::lock_guard lock(mu_);
-    if (busy_) return;
-    for (size_t i = 0; i < params.size(); ++i) snapshot_[i] = params[i];
-    pending_ = {iteration, v, std::chrono::duration<double>(SteadyClock::now() - start_).count(),
-                {}};
-    busy_ = true;
-    cv_.notify_all();
-  }
-
-  // Evaluations finished since the last call.
-  std::vector<EvalPoint> Take() {
-    std::lock_guard lock(mu_);
-    std::vector<EvalPoint> out;
-    out.swap(done_);
-    return out;
-  }
-
- private:
-  void Loop() {
-    std::vector<const float*> ptrs;
-    std::unique_lock lock(mu_);
-    for (;;) {
-      cv_.wait(lock, [&] { return stop_ || busy_; });
-      if (stop_) return;
-      EvalPoint p = pending_;
-      ptrs.clear();
-      for (const auto& s : snapshot_) ptrs.push_back(s.data());
-      lock.unlock();
-      p.eval = model_.Evaluate(ptrs, test_, samples_);
-      lock.lock();
-      done_.push_back(p);
-      busy_ = false;
-    }
-  }
-
-  const Dataset& test_;
-  Mlp model_;
-  uint32_t samples_;
-  SteadyClock::time_point start_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool busy_ = false;
-  bool stop_ = false;
-  std::vector<std::vector<float>> snapshot_;
-  EvalPoint pending_;
-  std::vector<EvalPoint> done_;
-  std::thread thread_;
-};
-
-}  // namespace
 
 Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Dataset& test,
                                 const MlpTrainOptions& o,
@@ -129,12 +55,19 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
   std::vector<uint8_t> labels(o.batch);
 
   const auto start = SteadyClock::now();
-  BackgroundEvaluator evaluator(test, sizes, o.eval_samples, model.params(), start);
+  SnapshotEvaluator evaluator(test, sizes, o.eval_samples, model.params(),
+                              SnapshotEvaluator::Policy::kSkipWhenBusy);
+  std::vector<std::span<const float>> views(params.begin(), params.end());
   MlpTrainReport report;
-  for (uint32_t it = 0; it < o.iterations; ++it) {
+  for (uint32_t it = 0; o.iterations == 0 || it < o.iterations; ++it) {
+    if (worker.stop_requested()) break;
     Version version = 0;
     DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &version));
-    if (o.eval_every && it % o.eval_every == 0) evaluator.Offer(params, it, version);
+    if (o.keep_going && !o.keep_going(it, version)) break;
+    if (o.eval_every && it % o.eval_every == 0) {
+      evaluator.Offer(views, it, version,
+                      std::chrono::duration<double>(SteadyClock::now() - start).count());
+    }
     for (uint32_t r = 0; r < o.batch; ++r) {
       if (cursor == shard.size()) {
         std::shuffle(shard.begin(), shard.end(), rng);
@@ -142,18 +75,26 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
       }
       batch_idx[r] = shard[cursor++];
     }
+    const auto compute_start = SteadyClock::now();
     Mlp::Gather(train, batch_idx.data(), o.batch, x.data(), labels.data());
     const float loss = model.Gradient(pptr, x.data(), labels.data(), o.batch, gptr);
-    SimulateCompute(o.compute_ms * o.slow);
+    const double compute_ms =
+        std::chrono::duration<double, std::milli>(SteadyClock::now() - compute_start).count();
+    SimulateCompute(o.compute_ms * o.slow + (o.slow - 1) * compute_ms);
     DSYNC_RETURN_IF_ERROR(PushAll(worker, ids, gconst));
     report.iterations = it + 1;
     std::vector<EvalPoint> fresh = evaluator.Take();
     report.evals.insert(report.evals.end(), fresh.begin(), fresh.end());
-    if (progress) progress({it + 1, version, loss, fresh.empty() ? nullptr : &report.evals.back()});
+    if (progress) {
+      progress({it + 1, version, loss, compute_ms / 1000,
+                fresh.empty() ? nullptr : &report.evals.back()});
+    }
   }
   // The final model, evaluated in full.
-  DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &report.final_version));
-  report.final_eval = model.Evaluate(pptr, test);
+  if (o.final_eval) {
+    DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &report.final_version));
+    report.final_eval = model.Evaluate(pptr, test);
+  }
   report.seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
   return report;
 }

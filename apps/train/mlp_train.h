@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dsync/worker.h"
+#include "evaluator.h"
 #include "fashion_mnist.h"
 #include "mlp.h"
 
@@ -13,7 +14,7 @@ namespace dsync::train {
 
 struct MlpTrainOptions {
   std::vector<uint32_t> hidden = {256, 128};
-  uint32_t iterations = 300;
+  uint32_t iterations = 300;  // 0: until the scheduler says the job's budget is spent
   uint32_t batch = 64;
   uint32_t seed = 1;          // model initialization: the same on every worker
   uint32_t shard = 0;         // this worker trains on samples i with i % shards == shard
@@ -21,20 +22,20 @@ struct MlpTrainOptions {
   uint32_t eval_every = 50;   // iterations between test evaluations (0: only at the end)
   uint32_t eval_samples = 0;  // test samples per evaluation (0: all 10000)
   double compute_ms = 0;      // extra simulated compute per iteration (scaled by slow)
+  // A straggler: every iteration takes `slow` times its own compute time (the measured
+  // gradient time plus compute_ms); the extra is slept, as a slower device would idle.
   double slow = 1;
-};
-
-struct EvalPoint {
-  uint32_t iteration = 0;
-  Version version = 0;
-  double seconds = 0;  // since training started
-  Evaluation eval;
+  // Called after each pull with the iteration and the version pulled; false stops training
+  // (a graceful leave at a given round, for instance).
+  std::function<bool(uint32_t iteration, Version version)> keep_going;
+  bool final_eval = true;  // pull the final model and evaluate it on the whole test set
 };
 
 struct Progress {
   uint32_t iteration = 0;
   Version version = 0;
   float loss = 0;          // minibatch loss
+  double compute_seconds = 0;  // gradient computation of this iteration (without slow-down)
   const EvalPoint* eval;   // the newest evaluation finished since the last report, or null
 };
 
@@ -45,6 +46,9 @@ struct MlpTrainReport {
   std::vector<EvalPoint> evals;
   double seconds = 0;
 };
+
+// input, hidden..., 10 classes.
+std::vector<uint32_t> LayerSizes(const Dataset& data, const std::vector<uint32_t>& hidden);
 
 // Registers the model's tensors (initial values from the seed), then trains: pull, gradient
 // on the next minibatch of this worker's shard, push. Test accuracy is measured on a
