@@ -7,7 +7,7 @@ packages=(
   cmake ninja-build g++ pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
-  libopenblas-dev dataset-fashion-mnist
+  libopenblas-dev dataset-fashion-mnist gnuplot-nox
 )
 
 missing=()

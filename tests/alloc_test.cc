@@ -75,8 +75,9 @@ TEST(Allocations, DoNotGrowWithTheNumberOfDataMessages) {
   std::printf("heap allocations per push+pull iteration: 4 slices %.2f, 64 slices %.2f\n", small,
               large);
   // 64 slices = 256 data frames and as many acknowledgements per iteration: one allocation
-  // per message would add hundreds.
-  EXPECT_LE(large, small + 1.0);
+  // per message would add hundreds. The slack absorbs what scales with time rather than
+  // messages (heartbeats of a slower run on a loaded machine).
+  EXPECT_LE(large, small + 3.0);
 }
 
 }  // namespace

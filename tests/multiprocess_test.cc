@@ -114,6 +114,17 @@ class MultiProcess : public ::testing::Test {
     return out;
   }
 
+  // Runs `dsyncps ARGS` (stdout is a file: progress comes as plain lines).
+  std::string RunDsyncps(std::vector<std::string> args, int expect_exit = 0) {
+    args.insert(args.begin(), DSYNC_BINARY);
+    Proc p(args, {}, dir_ / "dsyncps.log");
+    const int status = p.Wait(240s);
+    const std::string out = p.Output();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == expect_exit)
+        << "status " << status << "\n" << out;
+    return out;
+  }
+
   // Every "completed N" a worker reported, summed. In the launcher's output only the relayed
   // worker lines count (its summary repeats them).
   static uint64_t Completed(const std::string& out, bool launcher = true) {
@@ -293,4 +304,72 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   }
 }
 
+// --- The main job: dsyncps train / compare ---------------------------------------------
+
+TEST_F(MultiProcess, TrainRunsTheMainJobThroughJoinLeaveKillAndLatency) {
+  const fs::path out_dir = dir_ / "train";
+  const std::string out = RunDsyncps(
+      {"train", "--workers", "4", "--servers", "2", "--epochs", "1.5", "--compute-ms", "2",
+       "--eval-interval", "0.3", "--join", "3=60", "--leave", "2=150", "--kill", "1=200",
+       "--latency", "0=3", "--out", out_dir.string()});
+  EXPECT_NE(out.find("starting worker 3 at round"), std::string::npos) << out;
+  EXPECT_NE(out.find("leaving at round"), std::string::npos) << out;
+  EXPECT_NE(out.find("worker 1 was killed"), std::string::npos) << out;
+  EXPECT_NE(out.find("test acc"), std::string::npos) << "progress lines\n" << out;
+  const json summary = json::parse(std::ifstream(out_dir / "summary.json"));
+  EXPECT_TRUE(summary["ok"].get<bool>()) << out;
+  EXPECT_EQ(summary["scenario"].get<std::string>(),
+            "worker 3 joins at round 60; worker 2 leaves at round 150; worker 1 killed at round "
+            "200; worker 0 +3 ms link latency");
+  // The budget (1.5 epochs of 64-sample minibatches) was trained, by whoever was there.
+  EXPECT_GE(summary["gradients"].get<uint64_t>(), 1400u);
+  EXPECT_GE(summary["final_accuracy"].get<double>(), 0.70) << out;
+  const auto& curve = summary["curve"];
+  ASSERT_GE(curve.size(), 3u);
+  for (size_t i = 1; i < curve.size(); ++i) {
+    EXPECT_GE(curve[i]["seconds"].get<double>(), curve[i - 1]["seconds"].get<double>());
+    EXPECT_GE(curve[i]["round"].get<uint64_t>(), curve[i - 1]["round"].get<uint64_t>());
+  }
+  EXPECT_EQ(curve.back()["round"].get<uint64_t>(), summary["final_version"].get<uint64_t>());
+  std::ifstream csv(out_dir / "metrics.csv");
+  std::string header;
+  std::getline(csv, header);
+  EXPECT_EQ(header, "seconds,round,gradients,accuracy,test_loss,train_loss");
+  EXPECT_NE(out.find("@train {"), std::string::npos);
+}
+
+TEST_F(MultiProcess, CompareWritesTheTableAndThePlots) {
+  const fs::path out_dir = dir_ / "compare";
+  const std::string out = RunDsyncps({"compare", "--modes", "bsp,dsync:2,1", "--workers", "2",
+                                      "--servers", "1", "--epochs", "0.4", "--eval-interval",
+                                      "0.3", "--straggler", "1=2", "--out", out_dir.string()});
+  EXPECT_NE(out.find("reach_s"), std::string::npos) << out;
+  EXPECT_NE(out.find("@compare {"), std::string::npos) << out;
+  std::ifstream csv(out_dir / "compare.csv");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(csv, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_TRUE(lines[1].starts_with("bsp,1,")) << lines[1];
+  EXPECT_TRUE(lines[2].starts_with("\"dsync:2,1\",1,")) << lines[2];
+  for (const char* f : {"bsp.csv", "dsync_2_1.csv", "plot.gp", "accuracy_time.svg",
+                        "accuracy_rounds.svg"}) {
+    EXPECT_TRUE(fs::exists(out_dir / f)) << f << " (gnuplot-nox installed?)\n" << out;
+  }
+  std::ifstream svg(out_dir / "accuracy_time.svg");
+  std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("<svg"), std::string::npos);
+  EXPECT_NE(text.find("dsync:2,1"), std::string::npos) << "one line per mode, labelled";
+}
+
+TEST_F(MultiProcess, TrainWithoutTheDatasetNamesThePackageAndStartsNothing) {
+  const std::string out =
+      RunDsyncps({"train", "--data-dir", (dir_ / "nowhere").string()}, /*expect_exit=*/1);
+  EXPECT_NE(out.find("apt-get install dataset-fashion-mnist"), std::string::npos) << out;
+  EXPECT_EQ(out.find("[scheduler]"), std::string::npos) << out;
+  const std::string bad = RunDsyncps({"train", "--straggler", "7=3"}, /*expect_exit=*/2);
+  EXPECT_NE(bad.find("--straggler '7=3' is not WORKER=FACTOR with WORKER < 4"), std::string::npos)
+      << bad;
+}
+
 }  // namespace
+

@@ -12,11 +12,13 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 
 #include "cluster_harness.h"
 #include "fashion_mnist.h"
 #include "mlp.h"
 #include "mlp_train.h"
+#include "run_metrics.h"
 
 namespace dsync::train {
 namespace {
@@ -216,6 +218,104 @@ TEST(Mlp, LearnsFashionMnistThroughTheParameterServer) {
               reports[0]->final_eval.accuracy, reports[0]->final_eval.loss);
   // Both workers read the same final model: the same accuracy to the last sample.
   EXPECT_EQ(reports[0]->final_eval.accuracy, reports[1]->final_eval.accuracy);
+}
+
+// --- What a run measured ------------------------------------------------------------------
+
+RunMetrics Curve(std::initializer_list<std::pair<double, double>> points) {
+  RunMetrics m;
+  m.target = 0.85;
+  Version round = 0;
+  for (const auto& [t, acc] : points) m.curve.push_back({t, round += 10, 0, acc, 0, 0});
+  ComputeTargetTimes(m);
+  return m;
+}
+
+TEST(RunMetrics, TimeToTargetIsTheFirstCrossingAndStaysFromTheLastDip) {
+  const RunMetrics m = Curve({{1, 0.5}, {2, 0.86}, {3, 0.84}, {4, 0.85}, {5, 0.87}});
+  ASSERT_TRUE(m.first_reach_s && m.stays_from_s);
+  EXPECT_EQ(*m.first_reach_s, 2);
+  EXPECT_EQ(*m.first_reach_round, 20u);
+  EXPECT_EQ(*m.stays_from_s, 4);  // 0.85 counts as reached
+  EXPECT_EQ(*m.stays_from_round, 40u);
+  // A final model below the target: it never "stays", though it reached it once.
+  const RunMetrics dropped = Curve({{1, 0.86}, {2, 0.84}});
+  EXPECT_TRUE(dropped.first_reach_s.has_value());
+  EXPECT_FALSE(dropped.stays_from_s.has_value());
+  const RunMetrics never = Curve({{1, 0.5}, {2, 0.6}});
+  EXPECT_FALSE(never.first_reach_s || never.stays_from_s);
+  EXPECT_FALSE(Curve({}).first_reach_s.has_value());
+}
+
+TEST(RunMetrics, TableCsvAndJsonCarryEveryMode) {
+  RunMetrics a = Curve({{1, 0.5}, {2, 0.9}});
+  a.label = "bsp";
+  a.ok = true;
+  a.seconds = 2.5;
+  a.final_accuracy = 0.9;
+  RunMetrics b = Curve({{1, 0.5}, {2, 0.6}});
+  b.label = "dsync:4,3";
+  const std::string table = CompareTable({a, b});
+  EXPECT_NE(table.find("bsp"), std::string::npos);
+  EXPECT_NE(table.find("dsync:4,3"), std::string::npos);
+  EXPECT_NE(table.find("(job FAILED)"), std::string::npos) << "b.ok is false\n" << table;
+  const fs::path dir = fs::temp_directory_path() / ("dsync_metrics_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  ASSERT_TRUE(WriteCompareCsv({a, b}, (dir / "c.csv").string()).ok());
+  std::ifstream csv(dir / "c.csv");
+  std::string header, row_a, row_b;
+  std::getline(csv, header);
+  std::getline(csv, row_a);
+  std::getline(csv, row_b);
+  EXPECT_TRUE(header.starts_with("mode,ok,seconds,"));
+  EXPECT_TRUE(row_a.starts_with("bsp,1,2.500,")) << row_a;
+  EXPECT_TRUE(row_b.starts_with("\"dsync:4,3\",0,")) << row_b;  // quoted: it holds a comma
+  ASSERT_TRUE(WriteCurveCsv(a, (dir / "curve.csv").string()).ok());
+  std::ifstream curve(dir / "curve.csv");
+  std::string line;
+  int rows = 0;
+  while (std::getline(curve, line)) ++rows;
+  EXPECT_EQ(rows, 3);
+  const std::string json = SummaryJson(a);
+  EXPECT_NE(json.find("\"first_reach_s\":2"), std::string::npos) << json;
+  EXPECT_NE(SummaryJson(b).find("\"first_reach_s\":null"), std::string::npos);
+  EXPECT_EQ(FileSafe("dsync:4,3"), "dsync_4_3");
+  EXPECT_FALSE(WriteCurveCsv(a, (dir / "missing" / "x.csv").string()).ok());
+  fs::remove_all(dir);
+}
+
+TEST(SnapshotEvaluator, QueueAllEvaluatesEverySnapshotNewestFirstAndSkipDropsWhenBusy) {
+  auto test = LoadFashionMnist(kDefaultDataDir, "t10k");
+  ASSERT_TRUE(test.ok()) << test.status().ToString();
+  const std::vector<uint32_t> sizes = LayerSizes(*test, {16});
+  Mlp model(sizes, 1);
+  auto params = model.Initialize(3);
+  std::vector<std::span<const float>> views(params.begin(), params.end());
+  {
+    SnapshotEvaluator all(*test, sizes, 2000, model.params(),
+                          SnapshotEvaluator::Policy::kQueueAll, /*low_priority=*/true);
+    for (uint32_t i = 0; i < 5; ++i) EXPECT_TRUE(all.Offer(views, i, i * 10, i * 0.5));
+    all.Drain();
+    auto points = all.Take();
+    ASSERT_EQ(points.size(), 5u);
+    std::set<uint32_t> seen;
+    for (const EvalPoint& p : points) {
+      seen.insert(p.iteration);
+      EXPECT_EQ(p.version, p.iteration * 10u);
+      EXPECT_DOUBLE_EQ(p.seconds, p.iteration * 0.5);
+      EXPECT_EQ(p.eval.samples, 2000u);
+      EXPECT_GT(p.eval.accuracy, 0.0);  // an untrained model: ~10 %, but evaluated
+    }
+    EXPECT_EQ(seen.size(), 5u);
+    EXPECT_TRUE(all.Take().empty());
+  }
+  SnapshotEvaluator skip(*test, sizes, 0, model.params(), SnapshotEvaluator::Policy::kSkipWhenBusy);
+  int offered = 0;
+  for (uint32_t i = 0; i < 50; ++i) offered += skip.Offer(views, i, i, 0) ? 1 : 0;
+  skip.Drain();
+  EXPECT_GE(offered, 1);
+  EXPECT_LT(offered, 50) << "a busy evaluator skips instead of queueing";
+  EXPECT_EQ(skip.Take().size(), static_cast<size_t>(offered));
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 
 #include "flags.h"
 #include "roles.h"
+#include "fashion_mnist.h"
+#include "train_job.h"
 
 namespace {
 
@@ -57,6 +59,45 @@ void AddTrainFlags(CLI::App& app, TrainOptions& t) {
       ->capture_default_str();
 }
 
+// Flags of `train` and `compare` (the main job).
+struct MainJobCli {
+  dsync::app::TrainSpec spec;
+  std::vector<std::string> straggler, join, leave, kill, latency;
+  std::string modes = "bsp,dsync:4,dsync:4,3,ssp:4,asp,dsync:auto";
+  std::string title;
+};
+
+void AddMainJobFlags(CLI::App& app, MainJobCli& c) {
+  dsync::app::TrainSpec& s = c.spec;
+  app.add_option("--servers", s.servers, "servers to start")->capture_default_str();
+  app.add_option("--workers", s.workers, "workers (joiners included)")->capture_default_str();
+  app.add_option("--epochs", s.epochs,
+                 "training budget: passes over the 60000 training images, all workers together")
+      ->capture_default_str();
+  app.add_option("--batch", s.batch, "minibatch per worker")->capture_default_str();
+  app.add_option("--seed", s.seed, "model initialization and data order")->capture_default_str();
+  app.add_option("--data-dir", s.data_dir, "Fashion-MNIST *-ubyte.gz files")
+      ->capture_default_str();
+  app.add_option("--compute-ms", s.compute_ms,
+                 "extra simulated compute per iteration, every worker (a bigger model)")
+      ->capture_default_str();
+  app.add_option("--eval-interval", s.eval_interval_s,
+                 "seconds between test-set evaluations of the model")
+      ->capture_default_str();
+  app.add_option("--target", s.target, "test accuracy whose time-to-reach is reported")
+      ->capture_default_str();
+  app.add_option("--timeout", s.timeout_s, "kill a job after this many seconds")
+      ->capture_default_str();
+  app.add_option("--verbose", s.verbose, "show every line of every process")->capture_default_str();
+  app.add_flag("-v", s.verbose, "same as --verbose 1");
+  app.add_option("--straggler", c.straggler,
+                 "I=F: worker I takes F times its own compute time per iteration");
+  app.add_option("--join", c.join, "I=R: worker I joins once the model reaches round R");
+  app.add_option("--leave", c.leave, "I=R: worker I leaves gracefully at round R");
+  app.add_option("--kill", c.kill, "I=R: worker I is killed (SIGKILL) at round R");
+  app.add_option("--latency", c.latency, "I=MS: MS milliseconds of added latency on worker I's link");
+}
+
 std::string SelfPath(const char* argv0) {
   char buf[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -84,6 +125,29 @@ int main(int argc, char** argv) {
   auto* server = app.add_subcommand("server", "run a server (holds and updates slices)");
   auto* worker = app.add_subcommand("worker", "run a worker training the built-in model");
   auto* loc = app.add_subcommand("local", "run a whole cluster as processes on this machine");
+  auto* trn = app.add_subcommand(
+      "train", "the main job: train an MLP on Fashion-MNIST on a local cluster under a sync mode "
+               "and a scenario, with live progress, metrics and time-to-accuracy");
+  auto* cmp = app.add_subcommand(
+      "compare", "run the main job once per sync mode on the same scenario; write a table and "
+                 "plots of test accuracy against time and rounds");
+  // The main job's defaults: momentum SGD tuned for the MLP (DSYNC_* variables still win).
+  Config main_config = *env;
+  if (!std::getenv("DSYNC_OPTIMIZER")) main_config.optimizer.kind = dsync::OptimizerKind::kMomentum;
+  if (!std::getenv("DSYNC_LR")) main_config.optimizer.lr = 0.02f;
+  FlagText main_text;
+  MainJobCli main_cli;
+  main_cli.spec.data_dir = dsync::train::kDefaultDataDir;
+  for (CLI::App* sub : {trn, cmp}) {
+    dsync::app::AddJobFlags(*sub, main_config, main_text);
+    AddMainJobFlags(*sub, main_cli);
+  }
+  trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
+  cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();
+  cmp->add_option("--out", main_cli.spec.out_dir, "folder for the table, curves and plots")
+      ->capture_default_str();
+  cmp->add_option("--title", main_cli.title, "plot title (default: the scenario)");
+  main_cli.spec.out_dir = "dsyncps-compare";
   for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
   dsync::app::AddJobFlags(*sched, config, text);
   dsync::app::AddJobFlags(*loc, config, text);
@@ -99,6 +163,24 @@ int main(int argc, char** argv) {
                   "WORKER=FLAGS: extra flags for one worker, e.g. '3=--slow 3'");
 
   CLI11_PARSE(app, argc, argv);
+  if (trn->parsed() || cmp->parsed()) {
+    if (dsync::Status s = dsync::app::ApplyFlagText(main_text, main_config); !s.ok()) {
+      std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+      return 2;
+    }
+    MainJobCli& c = main_cli;
+    c.spec.job = main_config;
+    if (trn->parsed() && trn->get_option("--out")->count() == 0) c.spec.out_dir.clear();
+    if (dsync::Status s = dsync::app::ParseScenario(c.straggler, c.join, c.leave, c.kill,
+                                                    c.latency, c.spec.workers, &c.spec.scenario);
+        !s.ok()) {
+      std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+      return 2;
+    }
+    return trn->parsed() ? dsync::app::RunTrainCommand(SelfPath(argv[0]), c.spec)
+                         : dsync::app::RunCompareCommand(SelfPath(argv[0]), c.spec, c.modes,
+                                                         c.title);
+  }
   if (dsync::Status s = dsync::app::ApplyFlagText(text, config); !s.ok()) {
     std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
     return 2;

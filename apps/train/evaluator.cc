@@ -10,9 +10,9 @@ namespace dsync::train {
 
 SnapshotEvaluator::SnapshotEvaluator(const Dataset& test, std::vector<uint32_t> sizes,
                                      uint32_t samples, const std::vector<ParamSpec>& specs,
-                                     Policy policy, bool low_priority)
+                                     Policy policy, bool low_priority, size_t max_backlog)
     : test_(test), model_(std::move(sizes), 500), samples_(samples), specs_(specs),
-      policy_(policy) {
+      policy_(policy), max_backlog_(max_backlog) {
   thread_ = std::thread([this, low_priority] { Loop(low_priority); });
 }
 
@@ -26,9 +26,10 @@ SnapshotEvaluator::~SnapshotEvaluator() {
 }
 
 bool SnapshotEvaluator::Offer(std::span<const std::span<const float>> params, uint32_t iteration,
-                              Version v, double seconds) {
+                              Version v, double seconds, bool force) {
   std::lock_guard lock(mu_);
-  if (policy_ == Policy::kSkipWhenBusy && (busy_ || !queue_.empty())) return false;
+  if (!force && policy_ == Policy::kSkipWhenBusy && (busy_ || !queue_.empty())) return false;
+  if (!force && max_backlog_ > 0 && queue_.size() >= max_backlog_) return false;
   Snapshot s;
   if (!spare_.empty()) {
     s = std::move(spare_.back());
@@ -63,8 +64,8 @@ void SnapshotEvaluator::Loop(bool low_priority) {
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (stop_) return;
-    Snapshot s = std::move(queue_.front());
-    queue_.pop_front();
+    Snapshot s = std::move(queue_.back());
+    queue_.pop_back();
     busy_ = true;
     lock.unlock();
     ptrs.clear();

@@ -29,18 +29,24 @@ struct EvalPoint {
 
 class SnapshotEvaluator {
  public:
+  // kQueueAll evaluates the newest snapshot first (a live display stays current under load);
+  // Take() may then return points out of order.
   enum class Policy { kSkipWhenBusy, kQueueAll };
 
+  // kQueueAll keeps at most `max_backlog` snapshots waiting (0: no limit): on a machine too
+  // busy to keep up, the curve gets coarser instead of the evaluation falling behind.
   SnapshotEvaluator(const Dataset& test, std::vector<uint32_t> sizes, uint32_t samples,
-                    const std::vector<ParamSpec>& specs, Policy policy, bool low_priority = false);
+                    const std::vector<ParamSpec>& specs, Policy policy, bool low_priority = false,
+                    size_t max_backlog = 0);
   ~SnapshotEvaluator();
   SnapshotEvaluator(const SnapshotEvaluator&) = delete;
   SnapshotEvaluator& operator=(const SnapshotEvaluator&) = delete;
 
-  // Copies the parameters (one span per tensor). Returns false if it was skipped.
+  // Copies the parameters (one span per tensor). Returns false if it was skipped; `force`
+  // queues it regardless of the policy (a final model).
   bool Offer(std::span<const std::span<const float>> params, uint32_t iteration, Version v,
-             double seconds);
-  // Evaluations finished since the last call, in the order offered.
+             double seconds, bool force = false);
+  // Evaluations finished since the last call.
   std::vector<EvalPoint> Take();
   // Waits until every queued snapshot is evaluated.
   void Drain();
@@ -57,6 +63,7 @@ class SnapshotEvaluator {
   const uint32_t samples_;
   const std::vector<ParamSpec> specs_;
   const Policy policy_;
+  const size_t max_backlog_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;

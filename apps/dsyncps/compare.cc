@@ -1,0 +1,115 @@
+// `dsyncps train` and `dsyncps compare`: the command-line ends of the main job.
+#include <fmt/format.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "train_job.h"
+
+namespace dsync::app {
+namespace {
+
+Status CheckSpec(const TrainSpec& s) {
+  if (s.workers == 0 || s.servers == 0) {
+    return Error(StatusCode::kInvalidArgument, "--workers and --servers must be at least 1");
+  }
+  if (s.batch == 0 || !(s.epochs > 0)) {
+    return Error(StatusCode::kInvalidArgument, "--batch and --epochs must be positive");
+  }
+  if (!(s.eval_interval_s >= 0.05)) {
+    return Error(StatusCode::kInvalidArgument, "--eval-interval must be at least 0.05 s");
+  }
+  if (!(s.target > 0 && s.target <= 1)) {
+    return Error(StatusCode::kInvalidArgument, "--target is a fraction in (0, 1], e.g. 0.85");
+  }
+  return Status::Ok();
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+  return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace
+
+int RunTrainCommand(const std::string& self, const TrainSpec& spec) {
+  if (Status s = CheckSpec(spec); !s.ok()) return Fail(s);
+  auto m = RunTrainJob(self, spec);
+  if (!m.ok()) return Fail(m.status());
+  PrintRunSummary(*m);
+  if (!spec.out_dir.empty()) {
+    std::printf("  metrics: %s/metrics.csv, %s/summary.json\n", spec.out_dir.c_str(),
+                spec.out_dir.c_str());
+  }
+  return m->ok ? 0 : 1;
+}
+
+int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string& modes,
+                      const std::string& title) {
+  if (Status s = CheckSpec(spec); !s.ok()) return Fail(s);
+  std::vector<SyncMode> parsed;
+  std::vector<std::string> labels;
+  std::stringstream in(modes);
+  // Modes are separated by commas, but dsync:K,Q has one inside: a piece that is only a
+  // number belongs to the mode before it.
+  for (std::string piece; std::getline(in, piece, ',');) {
+    if (!piece.empty() && std::isdigit(static_cast<unsigned char>(piece[0])) && !labels.empty()) {
+      labels.back() += "," + piece;
+    } else {
+      labels.push_back(piece);
+    }
+  }
+  for (const std::string& l : labels) {
+    auto mode = SyncMode::Parse(l);
+    if (!mode.ok()) return Fail(mode.status());
+    parsed.push_back(*mode);
+  }
+  if (parsed.empty()) return Fail(Error(StatusCode::kInvalidArgument, "--modes names no mode"));
+  const std::string dir = spec.out_dir.empty() ? std::string("dsyncps-compare") : spec.out_dir;
+  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return Fail(Error(StatusCode::kInvalidArgument, "cannot create the output folder '{}'", dir));
+  }
+  std::vector<train::RunMetrics> runs;
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    TrainSpec one = spec;
+    one.job.sync = parsed[i];
+    one.label = labels[i];
+    one.out_dir.clear();
+    std::printf("\n=== dsyncps compare: %s (%zu/%zu) ===\n", labels[i].c_str(), i + 1,
+                parsed.size());
+    auto m = RunTrainJob(self, one);
+    if (!m.ok()) return Fail(m.status());
+    PrintRunSummary(*m);
+    runs.push_back(std::move(*m));
+  }
+  const std::string scenario = runs.front().scenario;
+  std::printf("\n=== dsyncps compare: %u workers, %s; time to %.0f %% test accuracy ===\n",
+              spec.workers, scenario.c_str(), 100 * spec.target);
+  std::printf("%s", train::CompareTable(runs).c_str());
+  bool all_ok = true;
+  for (const train::RunMetrics& m : runs) all_ok = all_ok && m.ok;
+  if (Status s = train::WriteCompareCsv(runs, dir + "/compare.csv"); !s.ok()) return Fail(s);
+  {
+    std::ofstream json(dir + "/compare.json");
+    json << "[";
+    for (size_t i = 0; i < runs.size(); ++i) json << (i ? ",\n " : "") << train::SummaryJson(runs[i]);
+    json << "]\n";
+  }
+  std::printf("@compare {\"scenario\":\"%s\",\"dir\":\"%s\",\"runs\":%zu,\"ok\":%s}\n",
+              scenario.c_str(), dir.c_str(), runs.size(), all_ok ? "true" : "false");
+  auto plots = train::WritePlots(
+      runs, dir, title.empty() ? fmt::format("{} workers, {}", spec.workers, scenario) : title);
+  if (plots.ok()) {
+    std::printf("plots: %s, %s; table: %s/compare.csv\n", (*plots)[0].c_str(),
+                (*plots)[1].c_str(), dir.c_str());
+  } else {
+    std::printf("plots not rendered: %s\n", plots.status().message().c_str());
+  }
+  std::fflush(stdout);
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace dsync::app
