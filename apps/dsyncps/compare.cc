@@ -1,8 +1,6 @@
 // `dsyncps train` and `dsyncps compare`: the command-line ends of the main job.
 #include <fmt/format.h>
-#include <sys/stat.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -69,9 +67,7 @@ int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string
   }
   if (parsed.empty()) return Fail(Error(StatusCode::kInvalidArgument, "--modes names no mode"));
   const std::string dir = spec.out_dir.empty() ? std::string("dsyncps-compare") : spec.out_dir;
-  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    return Fail(Error(StatusCode::kInvalidArgument, "cannot create the output folder '{}'", dir));
-  }
+  if (Status s = MakeDirectories(dir); !s.ok()) return Fail(s);
   std::vector<train::RunMetrics> runs;
   for (size_t i = 0; i < parsed.size(); ++i) {
     TrainSpec one = spec;

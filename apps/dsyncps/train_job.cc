@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <cblas.h>
@@ -11,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
@@ -265,6 +265,20 @@ std::vector<std::string> WorkerArgs(const TrainSpec& spec, uint32_t i) {
   return a;
 }
 
+}  // namespace
+
+Status MakeDirectories(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return Error(StatusCode::kInvalidArgument, "cannot create the output folder '{}': {}", dir,
+                 ec.message());
+  }
+  return Status::Ok();
+}
+
+namespace {
+
 Status ParseMap(const std::vector<std::string>& specs, uint32_t workers, const char* flag,
                 const char* what, const std::function<Status(uint32_t, const std::string&)>& put) {
   for (const std::string& spec : specs) {
@@ -341,10 +355,7 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   // The dataset first: a missing package is reported before any process starts (workers
   // read the training set the same way and fail with the same message).
   DSYNC_ASSIGN_OR_RETURN(train::Dataset test, train::LoadFashionMnist(spec.data_dir, "t10k"));
-  if (!spec.out_dir.empty() && mkdir(spec.out_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    return Error(StatusCode::kInvalidArgument, "cannot create the output folder '{}'",
-                 spec.out_dir);
-  }
+  if (!spec.out_dir.empty()) DSYNC_RETURN_IF_ERROR(MakeDirectories(spec.out_dir));
   const uint64_t budget = static_cast<uint64_t>(
       std::ceil(spec.epochs * kTrainImages / static_cast<double>(spec.batch)));
 

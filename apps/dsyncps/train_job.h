@@ -47,6 +47,9 @@ Status ParseScenario(const std::vector<std::string>& straggler, const std::vecto
                      const std::vector<std::string>& leave, const std::vector<std::string>& kill,
                      const std::vector<std::string>& latency, uint32_t workers, Scenario* s);
 
+// mkdir -p, with an error a user can act on.
+Status MakeDirectories(const std::string& dir);
+
 // Runs one job; returns its metrics (ok = false if the job failed; an error if it could not
 // run at all, e.g. the dataset is missing).
 Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& spec);
