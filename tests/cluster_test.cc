@@ -334,14 +334,41 @@ PaceResult RunWithStraggler(const char* sync) {
   return result;
 }
 
+// How the straggler's gradients were used: all applied, how stale, how many rounds went on
+// without it.
+struct StragglerUse {
+  uint64_t applied = 0;
+  uint64_t max_staleness = 0;
+  uint64_t rounds_without = 0;
+};
+
+StragglerUse Inspect(const PaceResult& run) {
+  StragglerUse u;
+  for (const RoundRecord& r : run.history) {
+    bool has = false;
+    for (const RoundMember& m : r.members) {
+      if (m.worker != run.slow_id) continue;
+      has = true;
+      ++u.applied;
+      u.max_staleness = std::max<uint64_t>(u.max_staleness, r.round - m.base);
+    }
+    u.rounds_without += has ? 0 : 1;
+  }
+  return u;
+}
+
+void PrintPace(const char* mode, const PaceResult& bsp, const PaceResult& other) {
+  std::printf("fast workers' 30 iterations: bsp %.3f s (straggler %llu), %s %.3f s "
+              "(straggler %llu)\n",
+              bsp.fast_seconds, static_cast<unsigned long long>(bsp.slow_completed), mode,
+              other.fast_seconds, static_cast<unsigned long long>(other.slow_completed));
+}
+
 TEST(Cluster, QuorumKeepsTheFastWorkersPaceAndAppliesEveryStragglerGradientWithinTheBound) {
   const PaceResult bsp = RunWithStraggler("bsp");
   const PaceResult dsync = RunWithStraggler("dsync:2,3");
   ASSERT_FALSE(HasFailure());
-  std::printf("fast workers' 30 iterations: bsp %.3f s (straggler %llu), dsync:2,3 %.3f s "
-              "(straggler %llu)\n",
-              bsp.fast_seconds, static_cast<unsigned long long>(bsp.slow_completed),
-              dsync.fast_seconds, static_cast<unsigned long long>(dsync.slow_completed));
+  PrintPace("dsync:2,3", bsp, dsync);
   // In bsp every round waits for the straggler: it completes as many gradients as the fast
   // workers. Under dsync:2,3 the fast workers do not wait: the straggler (3x slower)
   // completes about a third as many while they run.
@@ -350,18 +377,10 @@ TEST(Cluster, QuorumKeepsTheFastWorkersPaceAndAppliesEveryStragglerGradientWithi
   EXPECT_GE(dsync.slow_completed, 3u);
   // Every straggler gradient applied, each within the bound (checked by
   // ExpectRoundInvariants), and the bound was actually used.
-  uint64_t slow_applied = 0;
-  uint64_t max_staleness = 0;
-  for (const RoundRecord& r : dsync.history) {
-    for (const RoundMember& m : r.members) {
-      if (m.worker != dsync.slow_id) continue;
-      ++slow_applied;
-      max_staleness = std::max<uint64_t>(max_staleness, r.round - m.base);
-    }
-  }
-  EXPECT_EQ(slow_applied, dsync.slow_completed);
-  EXPECT_GE(max_staleness, 1u);
-  EXPECT_LE(max_staleness, 2u);
+  const StragglerUse u = Inspect(dsync);
+  EXPECT_EQ(u.applied, dsync.slow_completed);
+  EXPECT_GE(u.max_staleness, 1u);
+  EXPECT_LE(u.max_staleness, 2u);
 }
 
 // dsync:auto finds the straggler by itself: after a few bsp rounds (measuring) the fast
@@ -370,28 +389,15 @@ TEST(Cluster, AutoFindsTheStragglerAndLetsTheFastWorkersRun) {
   const PaceResult bsp = RunWithStraggler("bsp");
   const PaceResult adaptive = RunWithStraggler("dsync:auto");
   ASSERT_FALSE(HasFailure());
-  std::printf("fast workers' 30 iterations: bsp %.3f s (straggler %llu), dsync:auto %.3f s "
-              "(straggler %llu)\n",
-              bsp.fast_seconds, static_cast<unsigned long long>(bsp.slow_completed),
-              adaptive.fast_seconds, static_cast<unsigned long long>(adaptive.slow_completed));
+  PrintPace("dsync:auto", bsp, adaptive);
   EXPECT_GE(bsp.slow_completed, 29u);
   EXPECT_LE(adaptive.slow_completed, 20u);
   EXPECT_GE(adaptive.slow_completed, 3u);
-  uint64_t slow_applied = 0, max_staleness = 0, rounds_without_straggler = 0;
-  for (const RoundRecord& r : adaptive.history) {
-    bool has = false;
-    for (const RoundMember& m : r.members) {
-      if (m.worker != adaptive.slow_id) continue;
-      has = true;
-      ++slow_applied;
-      max_staleness = std::max<uint64_t>(max_staleness, r.round - m.base);
-    }
-    rounds_without_straggler += has ? 0 : 1;
-  }
-  EXPECT_EQ(slow_applied, adaptive.slow_completed);  // delayed, never lost
-  EXPECT_GE(rounds_without_straggler, 10u);
-  EXPECT_GE(max_staleness, 1u);
-  EXPECT_LE(max_staleness, SyncMode::kDefaultAutoMax);
+  const StragglerUse u = Inspect(adaptive);
+  EXPECT_EQ(u.applied, adaptive.slow_completed);  // delayed, never lost
+  EXPECT_GE(u.rounds_without, 10u);
+  EXPECT_GE(u.max_staleness, 1u);
+  EXPECT_LE(u.max_staleness, SyncMode::kDefaultAutoMax);
 }
 
 // --- Observers and the job's gradient budget ---------------------------------------------

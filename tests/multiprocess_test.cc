@@ -102,16 +102,11 @@ class MultiProcess : public ::testing::Test {
 
   // Runs `dsyncps local ARGS` and returns its output; asserts it exited 0.
   std::string RunLocal(std::vector<std::string> args, int expect_exit = 0) {
-    std::vector<std::string> argv = {DSYNC_BINARY, "local", "--timeout", "100",
+    std::vector<std::string> argv = {"local", "--timeout", "100",
                                      "--dump-model", (dir_ / "dump").string(),
                                      "--audit-log", (dir_ / "audit.jsonl").string()};
     argv.insert(argv.end(), args.begin(), args.end());
-    Proc p(argv, {}, dir_ / "local.log");
-    const int status = p.Wait(120s);
-    const std::string out = p.Output();
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == expect_exit)
-        << "status " << status << "\n" << out;
-    return out;
+    return RunDsyncps(argv, expect_exit);
   }
 
   // Runs `dsyncps ARGS` (stdout is a file: progress comes as plain lines).
