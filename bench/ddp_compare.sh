@@ -20,7 +20,8 @@ fi
 mkdir -p "$out"
 common=(--workers 4 --epochs 10 --compute-ms 5 --batch 64 --eval-interval 0.5)
 
-field() { /usr/bin/python3 -c "import json,sys; d=json.loads(sys.stdin.read()); v=d.get('$1'); print('-' if v is None else (f'{v:.1f}' if isinstance(v,float) else v))"; }
+# field NAME FORMAT < summary.json: one value, formatted, or - when absent.
+field() { /usr/bin/python3 -c "import json,sys; v=json.loads(sys.stdin.read()).get('$1'); print('-' if v is None else format(v, '$2'))"; }
 dsync_json() { grep '^@train ' | sed 's/^@train //'; }
 
 run_pair() {  # name, dsyncps mode, straggler args for dsyncps, straggler args for ddp
@@ -29,17 +30,18 @@ run_pair() {  # name, dsyncps mode, straggler args for dsyncps, straggler args f
     | dsync_json > "$out/$name-dsync.json"
   /usr/bin/python3 "$here/ddp_mlp.py" "${common[@]}" $pargs > "$out/$name-ddp.json"
   local ds dd fs fd
-  ds=$(field first_reach_s < "$out/$name-dsync.json"); dd=$(field first_reach_s < "$out/$name-ddp.json")
-  fs=$(field final_accuracy < "$out/$name-dsync.json"); fd=$(field final_accuracy < "$out/$name-ddp.json")
+  ds=$(field first_reach_s .1f < "$out/$name-dsync.json")
+  dd=$(field first_reach_s .1f < "$out/$name-ddp.json")
+  fs=$(field final_accuracy .4f < "$out/$name-dsync.json")
+  fd=$(field final_accuracy .4f < "$out/$name-ddp.json")
   local ratio=-
   if [ "$ds" != - ] && [ "$dd" != - ]; then ratio=$(awk -v a="$ds" -v b="$dd" 'BEGIN{printf "%.2f", a/b}'); fi
-  printf '%-22s %-12s %10s %10s %8s %8s %8s\n' "$name" "$mode" "$ds" "$dd" "$ratio" \
-    "$(awk -v a="$fs" 'BEGIN{printf "%.4f", a}')" "$(awk -v a="$fd" 'BEGIN{printf "%.4f", a}')"
+  printf '%-22s %-12s %10s %10s %8s %9s %8s\n' "$name" "$mode" "$ds" "$dd" "$ratio" "$fs" "$fd"
   echo "@ddp_compare {\"scenario\":\"$name\",\"mode\":\"$mode\",\"dsyncps_reach_s\":\"$ds\",\"ddp_reach_s\":\"$dd\",\"ratio\":\"$ratio\"}" >> "$out/lines.txt"
 }
 
 : > "$out/lines.txt"
-printf '%-22s %-12s %10s %10s %8s %8s %8s\n' scenario dsyncps dsync_85_s ddp_85_s ratio dsync_acc ddp_acc
+printf '%-22s %-12s %10s %10s %8s %9s %8s\n' scenario dsyncps dsync_85_s ddp_85_s ratio dsync_acc ddp_acc
 run_pair balanced bsp "" ""
 run_pair straggler-3x dsync:auto "--straggler 3=3" "--straggler 3 --straggler-factor 3"
 run_pair straggler-3x-bsp bsp "--straggler 3=3" "--straggler 3 --straggler-factor 3"

@@ -41,6 +41,12 @@ def mlp():
                          nn.Linear(128, 10))
 
 
+def weights(model):
+    # numpy copies: they travel to the parent by value, not as shared-memory handles that
+    # die with this process
+    return {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
+
+
 def worker(rank, args, port, out_queue):
     torch.set_num_threads(1)  # N processes share the machine's cores, as dsyncps's workers do
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -60,8 +66,7 @@ def worker(rank, args, port, out_queue):
     order, cursor = shard[torch.randperm(len(shard), generator=gen)], 0
     for it in range(iters):
         if rank == 0 and time.monotonic() >= next_snap:
-            snapshots.append((time.monotonic() - LAUNCH, it,
-                              {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
+            snapshots.append((time.monotonic() - LAUNCH, it, weights(model)))
             next_snap += args.eval_interval
         if cursor + args.batch > len(order):
             order, cursor = shard[torch.randperm(len(shard), generator=gen)], 0
@@ -79,8 +84,7 @@ def worker(rank, args, port, out_queue):
         opt.step()
     dist.barrier()
     if rank == 0:
-        snapshots.append((time.monotonic() - LAUNCH, iters,
-                          {k: v.detach().clone() for k, v in model.module.state_dict().items()}))
+        snapshots.append((time.monotonic() - LAUNCH, iters, weights(model)))
         out_queue.put(snapshots)
     dist.destroy_process_group()
 
@@ -121,7 +125,7 @@ def main():
     curve = []
     with torch.no_grad():
         for seconds, it, state in snapshots:
-            model.load_state_dict(state)
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
             acc = (model(tx).argmax(1) == ty).float().mean().item()
             curve.append((seconds, it, acc))
     first = next((c for c in curve if c[2] >= args.target), None)

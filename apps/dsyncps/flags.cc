@@ -31,9 +31,10 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
       ->capture_default_str();
 }
 
-void AddJobFlags(CLI::App& app, Config& c, FlagText& text) {
+void AddJobFlags(CLI::App& app, Config& c, FlagText& text, bool cluster_size) {
   app.add_option("--sync", text.sync,
-                 "bsp | dsync:K | dsync:K,Q | ssp:K | asp (DSYNC_SYNC; default bsp)");
+                 "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp (DSYNC_SYNC; "
+                 "default bsp)");
   app.add_option("--optimizer", text.optimizer, "sgd | momentum | adam | sum (DSYNC_OPTIMIZER)");
   app.add_option("--lr", c.optimizer.lr, "learning rate (DSYNC_LR)")->capture_default_str();
   app.add_option("--momentum", c.optimizer.momentum, "momentum (DSYNC_MOMENTUM)")
@@ -45,11 +46,13 @@ void AddJobFlags(CLI::App& app, Config& c, FlagText& text) {
       ->capture_default_str();
   app.add_option("--slice-bytes", text.slice,
                  "tensors are cut into slices of this size, e.g. 4M (DSYNC_SLICE_BYTES)");
-  app.add_option("--num-servers", c.num_servers, "servers in the job (DSYNC_NUM_SERVERS)")
-      ->capture_default_str();
-  app.add_option("--num-workers", c.num_workers,
-                 "workers that start the job together (DSYNC_NUM_WORKERS); more may join later")
-      ->capture_default_str();
+  if (cluster_size) {
+    app.add_option("--num-servers", c.num_servers, "servers in the job (DSYNC_NUM_SERVERS)")
+        ->capture_default_str();
+    app.add_option("--num-workers", c.num_workers,
+                   "workers that start the job together (DSYNC_NUM_WORKERS); more may join later")
+        ->capture_default_str();
+  }
   app.add_option("--audit-log", c.audit_log, "scheduler: write each round decision here (JSON lines)");
   app.add_option("--dump-model", c.dump_model,
                  "server: at the end, write per-slice summaries to this directory");

@@ -21,7 +21,8 @@ struct FlagText {
 // Adds the flags of every role (where the scheduler is, the token, ...).
 void AddNodeFlags(CLI::App& app, Config& config, FlagText& text);
 // Adds the job-wide flags the scheduler owns (sync mode, optimizer, slices, membership).
-void AddJobFlags(CLI::App& app, Config& config, FlagText& text);
+// `cluster_size`: also --num-servers/--num-workers (launchers size the cluster themselves).
+void AddJobFlags(CLI::App& app, Config& config, FlagText& text, bool cluster_size = true);
 // Parses the text flags into `config` and sets the log level.
 Status ApplyFlagText(const FlagText& text, Config& config);
 

@@ -88,8 +88,7 @@ void AddMainJobFlags(CLI::App& app, MainJobCli& c) {
       ->capture_default_str();
   app.add_option("--timeout", s.timeout_s, "kill a job after this many seconds")
       ->capture_default_str();
-  app.add_option("--verbose", s.verbose, "show every line of every process")->capture_default_str();
-  app.add_flag("-v", s.verbose, "same as --verbose 1");
+  app.add_flag("-v,--verbose", s.verbose, "show every line of every process");
   app.add_option("--straggler", c.straggler,
                  "I=F: worker I takes F times its own compute time per iteration");
   app.add_option("--join", c.join, "I=R: worker I joins once the model reaches round R");
@@ -139,7 +138,7 @@ int main(int argc, char** argv) {
   MainJobCli main_cli;
   main_cli.spec.data_dir = dsync::train::kDefaultDataDir;
   for (CLI::App* sub : {trn, cmp}) {
-    dsync::app::AddJobFlags(*sub, main_config, main_text);
+    dsync::app::AddJobFlags(*sub, main_config, main_text, /*cluster_size=*/false);
     AddMainJobFlags(*sub, main_cli);
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
