@@ -108,6 +108,32 @@ TEST(AutoPolicy, HysteresisKeepsANoisyWorkerFromFlapping) {
   EXPECT_LE(changes, 1);  // at most the allowance settling from 3 to 2 rounds
 }
 
+TEST(AutoPolicy, OneSlowIterationChangesNothingAndAllowancesDoNotFlap) {
+  AutoPolicy p = Policy(8);
+  for (WorkerId w = 1000; w < 1004; ++w) p.Join(w);
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, 0.01}}, 7);
+  ASSERT_EQ(p.decision().quorum, SyncMode::kAll);
+  // A page-fault storm: one iteration 10x slower. The median of the window ignores it.
+  p.Observe(1001, 0.1);
+  EXPECT_FALSE(p.Decide());
+  EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
+  // A real straggler whose ratio wanders between 2.9 and 3.1: the allowance rises with it
+  // but does not step down by a single round.
+  Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, 0.031}}, 7);
+  ASSERT_EQ(p.decision().quorum, 3u);
+  const uint32_t allowed = p.decision().allowance.at(1003);
+  EXPECT_EQ(allowed, 5u);  // ceil(3.1) + 1
+  int changes = 0;
+  for (int i = 0; i < 30; ++i) {
+    changes += Feed(p, {{1000, 0.01}, {1001, 0.01}, {1002, 0.01}, {1003, i % 2 ? 0.029 : 0.031}},
+                    1)
+                   ? 1
+                   : 0;
+  }
+  EXPECT_EQ(changes, 0);
+  EXPECT_EQ(p.decision().allowance.at(1003), allowed);
+}
+
 TEST(AutoPolicy, MembershipChangesAreReDecided) {
   AutoPolicy p = Policy();
   for (WorkerId w = 1000; w < 1003; ++w) p.Join(w);

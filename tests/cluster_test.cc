@@ -391,11 +391,13 @@ TEST(Cluster, AutoFindsTheStragglerAndLetsTheFastWorkersRun) {
   ASSERT_FALSE(HasFailure());
   PrintPace("dsync:auto", bsp, adaptive);
   EXPECT_GE(bsp.slow_completed, 29u);
-  EXPECT_LE(adaptive.slow_completed, 20u);
+  // bsp: 30. The policy needs 3 of the straggler's iterations before it may judge it, and a
+  // loaded machine blurs the first ones.
+  EXPECT_LE(adaptive.slow_completed, 22u);
   EXPECT_GE(adaptive.slow_completed, 3u);
   const StragglerUse u = Inspect(adaptive);
   EXPECT_EQ(u.applied, adaptive.slow_completed);  // delayed, never lost
-  EXPECT_GE(u.rounds_without, 10u);
+  EXPECT_GE(u.rounds_without, 8u);
   EXPECT_GE(u.max_staleness, 1u);
   EXPECT_LE(u.max_staleness, SyncMode::kDefaultAutoMax);
 }

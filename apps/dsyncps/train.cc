@@ -208,9 +208,9 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
   o.compute_ms = t.compute_ms;
   o.slow = t.slow;
   o.final_eval = t.eval_every > 0;  // a launcher's observer evaluates instead
-  o.keep_going = [&](uint32_t, Version v) {
+  o.keep_going = [&](uint32_t iteration, Version v) {
     if (t.kill_at_round >= 0 && v >= static_cast<uint64_t>(t.kill_at_round)) {
-      KillSelf(fmt::format("killed at round {}", v).c_str(), 0);
+      KillSelf(fmt::format("killed at round {}", v).c_str(), iteration);
     }
     if (t.leave_at_round >= 0 && v >= static_cast<uint64_t>(t.leave_at_round)) {
       std::printf("worker %u: leaving at round %llu\n", me, static_cast<unsigned long long>(v));

@@ -18,15 +18,23 @@ void AutoPolicy::Observe(WorkerId w, double seconds) {
   auto it = workers_.find(w);
   if (it == workers_.end() || !(seconds >= 0)) return;
   Track& t = it->second;
-  t.average = t.samples == 0 ? seconds
-                             : (1 - opt_.ewma_weight) * t.average + opt_.ewma_weight * seconds;
+  const size_t window = std::max<uint32_t>(1, opt_.window);
+  if (t.recent.size() < window) {
+    t.recent.push_back(seconds);
+  } else {
+    t.recent[t.samples % window] = seconds;
+  }
   ++t.samples;
+  scratch_ = t.recent;
+  auto mid = scratch_.begin() + static_cast<std::ptrdiff_t>(scratch_.size() / 2);
+  std::nth_element(scratch_.begin(), mid, scratch_.end());
+  t.estimate = *mid;
 }
 
 bool AutoPolicy::Decide() {
   std::vector<double> measured;
   for (const auto& [id, t] : workers_) {
-    if (t.samples >= opt_.min_samples) measured.push_back(t.average);
+    if (t.samples >= opt_.min_samples) measured.push_back(t.estimate);
   }
   AutoDecision next;
   reference_ = 0;
@@ -38,16 +46,19 @@ bool AutoPolicy::Decide() {
   for (auto& [id, t] : workers_) {
     uint32_t allow = 0;
     if (reference_ > 0 && t.samples >= opt_.min_samples && workers_.size() > 1) {
-      const double ratio = t.average / reference_;
+      const double ratio = t.estimate / reference_;
+      const bool was = t.straggler;
       t.straggler = t.straggler ? ratio >= opt_.recover_ratio : ratio > opt_.slow_ratio;
       if (t.straggler) {
         // ceil, forgiving rounding noise: exactly 3x needs 3 rounds, not 4.
         const double want = std::ceil(ratio - 1e-6) + opt_.margin;
         allow = static_cast<uint32_t>(std::min<double>(opt_.max_bound, want));
+        if (was && allow < t.allowance && allow + 2 > t.allowance) allow = t.allowance;
       }
     } else {
       t.straggler = false;  // not measured yet: waited for, as in bsp
     }
+    t.allowance = allow;
     next.allowance[id] = allow;
     fast += allow == 0 ? 1 : 0;
   }
@@ -65,7 +76,7 @@ std::string AutoPolicy::Describe() const {
     if (allow == 0) continue;
     const Track& t = workers_.at(id);
     out += fmt::format("; worker {} allowed {} round(s) ({:.1f}x)", id, allow,
-                       reference_ > 0 ? t.average / reference_ : 0.0);
+                       reference_ > 0 ? t.estimate / reference_ : 0.0);
   }
   if (decision_.quorum == SyncMode::kAll) out += " (every worker waited for, as bsp)";
   return out;

@@ -17,11 +17,16 @@
 // With no straggler the decision is Q = all, D_w = 0 for everyone: bsp. The reference is
 // the lower median of the measured times, so one straggler cannot drag it up, and half the
 // workers slowing down together reads as "these are slower", not "the others are faster".
+// A worker's time is the median of its last `window` iterations: one slow iteration (a page
+// fault storm, a busy core) moves nothing, a lasting change shows after window/2 of them. A
+// straggler's allowance goes up at once but down only by two or more rounds, so a ratio
+// hovering at a boundary does not re-decide every round.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "dsync/config.h"
 #include "dsync/types.h"
@@ -30,8 +35,8 @@ namespace dsync::ps {
 
 struct AutoPolicyOptions {
   uint32_t max_bound = SyncMode::kDefaultAutoMax;
-  double ewma_weight = 0.3;     // weight of a new sample in a worker's running average
-  uint32_t min_samples = 2;     // samples before a worker can be called a straggler
+  uint32_t window = 7;          // a worker's time: median of its last `window` iterations
+  uint32_t min_samples = 3;     // samples before a worker can be called a straggler
   double slow_ratio = 1.5;      // above this × reference: a straggler
   double recover_ratio = 1.25;  // a straggler below this × reference is fast again
   uint32_t margin = 1;          // rounds of allowance beyond the measured ratio (jitter)
@@ -64,15 +69,18 @@ class AutoPolicy {
 
  private:
   struct Track {
-    double average = 0;
+    std::vector<double> recent;  // ring of the last `window` samples
     uint32_t samples = 0;
+    double estimate = 0;         // median of `recent`
     bool straggler = false;
+    uint32_t allowance = 0;
   };
 
   AutoPolicyOptions opt_;
   std::map<WorkerId, Track> workers_;
   AutoDecision decision_;
   double reference_ = 0;
+  std::vector<double> scratch_;  // for medians, reused
 };
 
 }  // namespace dsync::ps
