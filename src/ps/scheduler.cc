@@ -454,8 +454,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         first = false;
       }
       fmt::format_to(std::back_inserter(line), "}}}}}}\n");
-      std::fwrite(line.data(), 1, line.size(), audit_);
-      std::fflush(audit_);
+      WriteAudit(line);
     }
   }
 
@@ -494,6 +493,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                      m.base);
     }
     fmt::format_to(std::back_inserter(line), "]}}\n");
+    WriteAudit(line);
+  }
+
+  // One JSON line, flushed: the log must hold every decision even if the job dies next.
+  void WriteAudit(const fmt::memory_buffer& line) {
     std::fwrite(line.data(), 1, line.size(), audit_);
     std::fflush(audit_);
   }
