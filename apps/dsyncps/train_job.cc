@@ -396,6 +396,8 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   hooks.on_started = [&](const std::map<std::string, std::string>& env) { monitor.Start(env); };
   hooks.on_line = [&](int worker, std::string_view line) {
     if (worker >= 0 && line.starts_with("@progress ")) {
+      // A worker counts as running from its first report until its process ends.
+      counters.Started(static_cast<uint32_t>(worker));
       auto j = nlohmann::json::parse(line.substr(10), nullptr, false);
       if (j.is_object()) {
         counters.Report(static_cast<uint32_t>(worker), j.value("it", uint64_t{0}),
@@ -452,12 +454,6 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
       view.Log(fmt::format("dsyncps train: worker {} was killed (signal {}); the job goes on", i,
                            WTERMSIG(status)));
     }
-  };
-  // Workers count as running from their first report; on-demand ones once started.
-  auto on_line = hooks.on_line;
-  hooks.on_line = [&, on_line](int worker, std::string_view line) {
-    if (worker >= 0 && line.starts_with("@progress ")) counters.Started(static_cast<uint32_t>(worker));
-    return on_line(worker, line);
   };
 
   std::printf("dsyncps train: %u worker(s), %u server(s), sync %s, %s %s lr %g, %.3g epochs "
