@@ -10,6 +10,10 @@
 #include <random>
 
 #include "cpu/cpu_store.h"
+#if DSYNC_HAVE_CUDA
+#include "cuda/cuda_store.h"
+#endif
+#include "ps/backends.h"
 #include "ps/buffer_pool.h"
 #include "ps/param_store.h"
 
@@ -18,14 +22,19 @@ namespace {
 
 struct StoreCase {
   const char* name;
-  std::function<std::unique_ptr<ParamStore>()> make;
+  // Null with the reason in *skip when the store cannot run on this machine.
+  std::function<std::unique_ptr<ParamStore>(std::string* skip)> make;
 };
 
 void PrintTo(const StoreCase& c, std::ostream* os) { *os << c.name; }
 
 class StoreTest : public ::testing::TestWithParam<StoreCase> {
  protected:
-  void SetUp() override { store_ = GetParam().make(); }
+  void SetUp() override {
+    std::string skip;
+    store_ = GetParam().make(&skip);
+    if (!store_) GTEST_SKIP() << skip;
+  }
   std::unique_ptr<ParamStore> store_;
 };
 
@@ -169,9 +178,81 @@ TEST_P(StoreTest, PooledBuffersAreReusedNotReallocated) {
   pool.Release(small, 10);
 }
 
-INSTANTIATE_TEST_SUITE_P(Stores, StoreTest,
-                         ::testing::Values(StoreCase{"cpu", [] { return cpu::MakeCpuStore(); }}),
+std::vector<StoreCase> Stores() {
+  std::vector<StoreCase> v = {{"cpu", [](std::string*) { return cpu::MakeCpuStore(); }}};
+#if DSYNC_HAVE_CUDA
+  v.push_back({"cuda", [](std::string* skip) -> std::unique_ptr<ParamStore> {
+                 auto s = cuda::MakeCudaStore();
+                 if (s.ok()) return std::move(*s);
+                 *skip = s.status().message();  // e.g. CI: compiled, no GPU to run on
+                 return nullptr;
+               }});
+#endif
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Stores, StoreTest, ::testing::ValuesIn(Stores()),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// Asking for the CUDA store where it cannot run is a clear error naming the way out; where
+// it can, --store cuda and --store auto both give it.
+TEST(StoreSelection, CudaWithoutAGpuIsAClearErrorAndAutoFallsBack) {
+  Config c;
+  c.store = "cuda";
+  auto cuda = MakeParamStore(c);
+  c.store = "auto";
+  auto any = MakeParamStore(c);
+  ASSERT_TRUE(any.ok()) << any.status().ToString();
+#if DSYNC_HAVE_CUDA
+  if (cuda::DeviceAvailable()) {
+    ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+    EXPECT_EQ((*cuda)->name(), "cuda");
+    EXPECT_EQ((*any)->name(), "cuda");
+    return;
+  }
+#endif
+  ASSERT_FALSE(cuda.ok());
+  EXPECT_NE(cuda.status().message().find("--store cpu"), std::string::npos)
+      << cuda.status().message();
+  EXPECT_EQ((*any)->name(), "cpu");
+}
+
+#if DSYNC_HAVE_CUDA
+// The GPU runs the same per-element math (ps/optimizer_math.h) as the CPU store; nvcc's
+// fused multiply-adds are the only difference allowed.
+TEST(CudaStore, MatchesTheCpuStoreWithinOneMillionthForEveryOptimizer) {
+  auto gpu = cuda::MakeCudaStore();
+  if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
+  auto cpu = cpu::MakeCpuStore();
+  for (OptimizerKind kind : {OptimizerKind::kSum, OptimizerKind::kSgd, OptimizerKind::kMomentum,
+                             OptimizerKind::kAdam}) {
+    SCOPED_TRACE(std::string(OptimizerName(kind)));
+    // Sizes that are not multiples of any block, warp or vector width, and one of 4 MiB.
+    for (size_t n : {size_t{1}, size_t{5}, size_t{1023}, size_t{65537}, size_t{1} << 20}) {
+      const SliceKey key = MakeSliceKey(static_cast<uint32_t>(kind), static_cast<uint32_t>(n));
+      const std::vector<float> init = Random(n, 7);
+      ASSERT_TRUE(cpu->InitSlice(key, init).ok());
+      ASSERT_TRUE((*gpu)->InitSlice(key, init).ok());
+      for (uint32_t round = 0; round < 4; ++round) {
+        std::vector<std::vector<float>> grads;
+        for (uint32_t k = 0; k < round + 1; ++k) grads.push_back(Random(n, 300 + round * 10 + k));
+        std::vector<const float*> ptrs;
+        for (const auto& g : grads) ptrs.push_back(g.data());
+        ASSERT_TRUE(cpu->ApplyRound(key, ptrs, Optimizer(kind)).ok());
+        ASSERT_TRUE((*gpu)->ApplyRound(key, ptrs, Optimizer(kind)).ok());
+      }
+      std::vector<float> a(n, std::numeric_limits<float>::quiet_NaN());
+      std::vector<float> b(n, std::numeric_limits<float>::quiet_NaN());  // poisoned
+      ASSERT_TRUE(cpu->Read(key, a).ok());
+      ASSERT_TRUE((*gpu)->Read(key, b).ok());
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(b[i], a[i], 1e-6 * std::max(1.0f, std::abs(a[i])))
+            << "element " << i << " of " << n;
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace dsync::ps

@@ -26,7 +26,9 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
       ->capture_default_str();
   app.add_option("--transport", c.transport, "tcp (rdma comes with a later release)")
       ->capture_default_str();
-  app.add_option("--store", c.store, "parameter store: cpu|auto")->capture_default_str();
+  app.add_option("--store", c.store,
+                 "parameter store: cpu | cuda | auto (the GPU when one is visible) (DSYNC_STORE)")
+      ->capture_default_str();
   app.add_option("--log-level", text.log_level, "trace|debug|info|warn|error")
       ->capture_default_str();
 }

@@ -106,7 +106,7 @@ struct Config {
   uint32_t connect_timeout_ms = 30000;
 
   std::string transport = "tcp";  // tcp (rdma: issue 5)
-  std::string store = "cpu";      // cpu (cuda: issue 4)
+  std::string store = "cpu";      // cpu | cuda | auto (cuda when a GPU is visible)
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).
   std::string audit_log;

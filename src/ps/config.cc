@@ -276,9 +276,9 @@ Status Config::Validate() const {
     return Error(StatusCode::kUnimplemented,
                  "transport '{}' is not available in this build; use --transport tcp", transport);
   }
-  if (store != "cpu" && store != "auto") {
-    return Error(StatusCode::kUnimplemented,
-                 "parameter store '{}' is not available in this build; use --store cpu", store);
+  if (store != "cpu" && store != "cuda" && store != "auto") {
+    return Error(StatusCode::kInvalidArgument,
+                 "parameter store '{}' is not one of cpu, cuda, auto", store);
   }
   if (!(optimizer.lr >= 0.0f)) {
     return Error(StatusCode::kInvalidArgument, "learning rate {} must be >= 0", optimizer.lr);

@@ -4,6 +4,9 @@
 
 #include "cpu/cpu_store.h"
 #include "tcp/tcp_transport.h"
+#if DSYNC_HAVE_CUDA
+#include "cuda/cuda_store.h"
+#endif
 
 namespace dsync::ps {
 
@@ -17,10 +20,20 @@ Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
 }
 
 Result<std::unique_ptr<ParamStore>> MakeParamStore(const Config& config) {
+#if DSYNC_HAVE_CUDA
+  if (config.store == "cuda" || (config.store == "auto" && cuda::DeviceAvailable())) {
+    return cuda::MakeCudaStore();
+  }
+#else
+  if (config.store == "cuda") {
+    return Error(StatusCode::kUnimplemented,
+                 "this build has no CUDA store (nvcc was not found when it was configured); "
+                 "use --store cpu, or rebuild where the CUDA toolkit is installed");
+  }
+#endif
   if (config.store == "cpu" || config.store == "auto") return cpu::MakeCpuStore();
-  return Error(StatusCode::kUnimplemented,
-               "parameter store '{}' is not available in this build; use --store cpu",
-               config.store);
+  return Error(StatusCode::kInvalidArgument,
+               "parameter store '{}' is not one of cpu, cuda, auto", config.store);
 }
 
 }  // namespace dsync::ps
