@@ -22,6 +22,9 @@
 #include <vector>
 
 #include "dsync/config.h"
+#if DSYNC_HAVE_CUDA
+#include "cuda/cuda_store.h"
+#endif
 #include "net_util.h"
 
 namespace {
@@ -354,6 +357,21 @@ TEST_F(MultiProcess, CompareWritesTheTableAndThePlots) {
   std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("<svg"), std::string::npos);
   EXPECT_NE(text.find("dsync:2,1"), std::string::npos) << "one line per mode, labelled";
+}
+
+TEST_F(MultiProcess, AServerThatCannotStartStopsTheJobWithItsReason) {
+#if DSYNC_HAVE_CUDA
+  if (dsync::cuda::DeviceAvailable()) GTEST_SKIP() << "a GPU is visible: --store cuda runs here";
+#endif
+  const auto start = std::chrono::steady_clock::now();
+  const std::string out = RunDsyncps(
+      {"train", "--store", "cuda", "--workers", "1", "--servers", "1", "--epochs", "0.1"},
+      /*expect_exit=*/1);
+  EXPECT_NE(out.find("use --store cpu"), std::string::npos) << out;
+  EXPECT_NE(out.find("server 0 ended (exit code 1) while the job runs; stopping the job"),
+            std::string::npos)
+      << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << "not left to the job's timeout";
 }
 
 TEST_F(MultiProcess, TrainWithoutTheDatasetNamesThePackageAndStartsNothing) {

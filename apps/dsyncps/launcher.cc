@@ -299,6 +299,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
 
   const auto deadline = t0 + std::chrono::seconds(plan.timeout_s);
   std::optional<SteadyClock::time_point> scheduler_gone;
+  bool server_failed = false;
   for (;;) {
     const auto now = SteadyClock::now();
     for (Child& c : children) {
@@ -340,6 +341,14 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
         c.status = status;
         if (&c == &children[0]) scheduler_gone = SteadyClock::now();
         if (c.is_worker && hooks.on_worker_exit) hooks.on_worker_exit(c.index, status);
+        // A server that ends while the scheduler runs leaves the job without its slices (or,
+        // at start, never able to begin): stop everything rather than wait for the timeout.
+        if (!c.is_worker && &c != &children[0] && !scheduler_gone && !server_failed) {
+          server_failed = true;
+          std::fprintf(stderr, "dsyncps: %s ended (%s) while the job runs; stopping the job\n",
+                       c.name.c_str(), Describe(status).c_str());
+          kill_all(SIGTERM);
+        }
       }
     }
     if (hooks.on_tick) hooks.on_tick();
@@ -362,7 +371,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
 
   // The job succeeded if the scheduler and servers finished cleanly; a worker killed by a
   // signal is a failure the job is built to survive, not a failed job.
-  outcome.ok = !outcome.timed_out && !outcome.interrupted;
+  outcome.ok = !outcome.timed_out && !outcome.interrupted && !server_failed;
   for (const Child& c : children) {
     if (!c.started) continue;
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;

@@ -140,6 +140,8 @@ int main(int argc, char** argv) {
   for (CLI::App* sub : {trn, cmp}) {
     dsync::app::AddJobFlags(*sub, main_config, main_text, /*cluster_size=*/false);
     AddMainJobFlags(*sub, main_cli);
+    sub->add_option("--store", main_config.store, "servers' parameter store: cpu | cuda | auto")
+        ->capture_default_str();
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
   cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <cblas.h>
@@ -450,7 +451,7 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   };
   hooks.on_worker_exit = [&](uint32_t i, int status) {
     counters.Exited(i);
-    if (WIFSIGNALED(status)) {
+    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {  // not the launcher stopping it
       view.Log(fmt::format("dsyncps train: worker {} was killed (signal {}); the job goes on", i,
                            WTERMSIG(status)));
     }
