@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "ps/optimizer.h"
+#include "ps/slice_table.h"
 
 namespace dsync::cpu {
 namespace {
@@ -58,24 +59,16 @@ class CpuStore final : public ps::ParamStore {
                    init.size());
     }
     std::memcpy(slice->params.get(), init.data(), init.size_bytes());
-    std::unique_lock lock(mu_);
-    if (!slices_.emplace(key, std::move(slice)).second) {
-      return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
-    }
-    return Status::Ok();
+    return slices_.Insert(key, std::move(slice));
   }
 
-  bool HasSlice(SliceKey key) const override { return Find(key) != nullptr; }
+  bool HasSlice(SliceKey key) const override { return slices_.Find(key) != nullptr; }
 
-  uint64_t SliceElements(SliceKey key) const override {
-    const Slice* s = Find(key);
-    return s ? s->n : 0;
-  }
+  uint64_t SliceElements(SliceKey key) const override { return slices_.Elements(key); }
 
   Status ApplyRound(SliceKey key, std::span<const float* const> grads,
                     const OptimizerConfig& opt) override {
-    Slice* s = Find(key);
-    if (!s) return Error(StatusCode::kNotFound, "slice {:#x} does not exist", key);
+    DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
@@ -120,25 +113,14 @@ class CpuStore final : public ps::ParamStore {
   }
 
   Status Read(SliceKey key, std::span<float> out) const override {
-    const Slice* s = Find(key);
-    if (!s) return Error(StatusCode::kNotFound, "slice {:#x} does not exist", key);
-    if (out.size() != s->n) {
-      return Error(StatusCode::kInvalidArgument, "read of slice {:#x}: {} floats asked, it has {}",
-                   key, out.size(), s->n);
-    }
+    DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
+    DSYNC_RETURN_IF_ERROR(ps::SliceTable<Slice>::CheckReadSize(key, out.size(), s->n));
     std::memcpy(out.data(), s->params.get(), s->n * sizeof(float));
     return Status::Ok();
   }
 
  private:
-  Slice* Find(SliceKey key) const {
-    std::shared_lock lock(mu_);
-    auto it = slices_.find(key);
-    return it == slices_.end() ? nullptr : it->second.get();
-  }
-
-  mutable std::shared_mutex mu_;  // guards the map, not the slices (see ParamStore)
-  std::unordered_map<SliceKey, std::unique_ptr<Slice>> slices_;
+  ps::SliceTable<Slice> slices_;
 };
 
 }  // namespace
