@@ -341,9 +341,11 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
         c.status = status;
         if (&c == &children[0]) scheduler_gone = SteadyClock::now();
         if (c.is_worker && hooks.on_worker_exit) hooks.on_worker_exit(c.index, status);
-        // A server that ends while the scheduler runs leaves the job without its slices (or,
+        // A server that fails while the scheduler runs leaves the job without its slices (or,
         // at start, never able to begin): stop everything rather than wait for the timeout.
-        if (!c.is_worker && &c != &children[0] && !scheduler_gone && !server_failed) {
+        // (Exit 0 is a server told to shut down: the job is ending.)
+        const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!c.is_worker && &c != &children[0] && !clean && !scheduler_gone && !server_failed) {
           server_failed = true;
           std::fprintf(stderr, "dsyncps: %s ended (%s) while the job runs; stopping the job\n",
                        c.name.c_str(), Describe(status).c_str());
