@@ -394,6 +394,13 @@ TEST(Cluster, QuorumAndAutoKeepTheFastWorkersPaceAndApplyEveryStragglerGradient)
 
 // --- Observers and the job's gradient budget ---------------------------------------------
 
+// A read-only client of the cluster's job.
+Result<std::unique_ptr<Worker>> StartObserver(const LocalCluster& cluster) {
+  Config c = cluster.WorkerConfig();
+  c.observer = true;
+  return Worker::Start(c);
+}
+
 TEST(Cluster, ObserverReadsTheNewestModelWithoutHoldingRounds) {
   constexpr int kWorkers = 2;
   constexpr uint32_t kIters = 25;
@@ -402,10 +409,8 @@ TEST(Cluster, ObserverReadsTheNewestModelWithoutHoldingRounds) {
   cfg.slice_bytes = 1024;
   LocalCluster cluster(cfg);
   ASSERT_TRUE(cluster.ok());
-  Config ocfg = cluster.WorkerConfig();
-  ocfg.observer = true;
   // The observer connects first: it must not take a worker's place or id.
-  auto observer = Worker::Start(ocfg);
+  auto observer = StartObserver(cluster);
   ASSERT_TRUE(observer.ok()) << observer.status().ToString();
   Worker& obs = **observer;
   EXPECT_TRUE(obs.job().observer);
@@ -472,9 +477,7 @@ TEST(Cluster, AnObserverThatVanishesDoesNotHoldTheJob) {
   cfg.optimizer.kind = OptimizerKind::kSum;
   LocalCluster cluster(cfg);
   ASSERT_TRUE(cluster.ok());
-  Config ocfg = cluster.WorkerConfig();
-  ocfg.observer = true;
-  auto observer = Worker::Start(ocfg);
+  auto observer = StartObserver(cluster);
   ASSERT_TRUE(observer.ok()) << observer.status().ToString();
   auto workers = StartWorkers(cluster.WorkerConfig(), 1);
   ASSERT_EQ(workers.size(), 1u);

@@ -292,8 +292,8 @@ TEST(SnapshotEvaluator, QueueAllEvaluatesEverySnapshotNewestFirstAndSkipDropsWhe
   auto params = model.Initialize(3);
   std::vector<std::span<const float>> views(params.begin(), params.end());
   {
-    SnapshotEvaluator all(*test, sizes, 2000, model.params(),
-                          SnapshotEvaluator::Policy::kQueueAll, /*low_priority=*/true);
+    SnapshotEvaluator all(*test, sizes, 2000, SnapshotEvaluator::Policy::kQueueAll,
+                          /*low_priority=*/true);
     for (uint32_t i = 0; i < 5; ++i) EXPECT_TRUE(all.Offer(views, i, i * 10, i * 0.5));
     all.Drain();
     auto points = all.Take();
@@ -309,7 +309,7 @@ TEST(SnapshotEvaluator, QueueAllEvaluatesEverySnapshotNewestFirstAndSkipDropsWhe
     EXPECT_EQ(seen.size(), 5u);
     EXPECT_TRUE(all.Take().empty());
   }
-  SnapshotEvaluator skip(*test, sizes, 0, model.params(), SnapshotEvaluator::Policy::kSkipWhenBusy);
+  SnapshotEvaluator skip(*test, sizes, 0, SnapshotEvaluator::Policy::kSkipWhenBusy);
   int offered = 0;
   for (uint32_t i = 0; i < 50; ++i) offered += skip.Offer(views, i, i, 0) ? 1 : 0;
   skip.Drain();

@@ -98,8 +98,8 @@ class Monitor {
           SteadyClock::time_point t0)
       : spec_(spec), counters_(counters), t0_(t0),
         sizes_(train::LayerSizes(test, kHidden)),
-        evaluator_(test, sizes_, 0, train::Mlp(sizes_, 1).params(),
-                   train::SnapshotEvaluator::Policy::kQueueAll, /*low_priority=*/true,
+        evaluator_(test, sizes_, 0, train::SnapshotEvaluator::Policy::kQueueAll,
+                   /*low_priority=*/true,
                    /*max_backlog=*/4) {}
 
   ~Monitor() { Stop(); }

@@ -9,10 +9,10 @@
 namespace dsync::train {
 
 SnapshotEvaluator::SnapshotEvaluator(const Dataset& test, std::vector<uint32_t> sizes,
-                                     uint32_t samples, const std::vector<ParamSpec>& specs,
-                                     Policy policy, bool low_priority, size_t max_backlog)
-    : test_(test), model_(std::move(sizes), 500), samples_(samples), specs_(specs),
-      policy_(policy), max_backlog_(max_backlog) {
+                                     uint32_t samples, Policy policy, bool low_priority,
+                                     size_t max_backlog)
+    : test_(test), model_(std::move(sizes), 500), samples_(samples), policy_(policy),
+      max_backlog_(max_backlog) {
   thread_ = std::thread([this, low_priority] { Loop(low_priority); });
 }
 

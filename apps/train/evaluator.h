@@ -36,8 +36,7 @@ class SnapshotEvaluator {
   // kQueueAll keeps at most `max_backlog` snapshots waiting (0: no limit): on a machine too
   // busy to keep up, the curve gets coarser instead of the evaluation falling behind.
   SnapshotEvaluator(const Dataset& test, std::vector<uint32_t> sizes, uint32_t samples,
-                    const std::vector<ParamSpec>& specs, Policy policy, bool low_priority = false,
-                    size_t max_backlog = 0);
+                    Policy policy, bool low_priority = false, size_t max_backlog = 0);
   ~SnapshotEvaluator();
   SnapshotEvaluator(const SnapshotEvaluator&) = delete;
   SnapshotEvaluator& operator=(const SnapshotEvaluator&) = delete;
@@ -61,7 +60,6 @@ class SnapshotEvaluator {
   const Dataset& test_;
   Mlp model_;
   const uint32_t samples_;
-  const std::vector<ParamSpec> specs_;
   const Policy policy_;
   const size_t max_backlog_;
   std::mutex mu_;

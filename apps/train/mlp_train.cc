@@ -55,7 +55,7 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
   std::vector<uint8_t> labels(o.batch);
 
   const auto start = SteadyClock::now();
-  SnapshotEvaluator evaluator(test, sizes, o.eval_samples, model.params(),
+  SnapshotEvaluator evaluator(test, sizes, o.eval_samples,
                               SnapshotEvaluator::Policy::kSkipWhenBusy);
   std::vector<std::span<const float>> views(params.begin(), params.end());
   MlpTrainReport report;
