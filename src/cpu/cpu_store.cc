@@ -9,6 +9,7 @@
 
 #include "ps/optimizer.h"
 #include "ps/slice_table.h"
+#include "ps/trace.h"
 
 namespace dsync::cpu {
 namespace {
@@ -70,6 +71,8 @@ class CpuStore final : public ps::ParamStore {
                     const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
+    // One range: the sum is fused with the update block by block (no separate aggregate).
+    trace::Scoped range(trace::Range::kStoreApply);
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
       if (!s->state[i]) {
@@ -115,6 +118,7 @@ class CpuStore final : public ps::ParamStore {
   Status Read(SliceKey key, std::span<float> out) const override {
     DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
     DSYNC_RETURN_IF_ERROR(ps::SliceTable<Slice>::CheckReadSize(key, out.size(), s->n));
+    trace::Scoped range(trace::Range::kStoreRead);
     std::memcpy(out.data(), s->params.get(), s->n * sizeof(float));
     return Status::Ok();
   }

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <mutex>
 #include <shared_mutex>
+#include <thread>
 #include <unordered_map>
 
 #include "cuda/apply_kernels.h"
 #include "ps/optimizer.h"
 #include "ps/slice_table.h"
+#include "ps/trace.h"
 
 namespace dsync::cuda {
 namespace {
@@ -56,18 +58,25 @@ struct Slice {
   uint64_t steps = 0;
 };
 
+// Gradient slots in the scratch area start at multiples of 4 floats, so that the kernel's
+// 16-byte loads stay aligned for every gradient (cudaMalloc itself aligns to 256 bytes).
+uint64_t PaddedStride(uint64_t n) { return (n + 3) & ~uint64_t{3}; }
+
+// What one calling thread uses: its own stream, and the scratch its rounds copy gradients
+// into. Only the owning thread touches a lane, so rounds and reads issued by different
+// threads (the server's apply thread, its transport threads answering pulls) overlap on
+// the device instead of queueing behind one stream.
+struct Lane {
+  cudaStream_t stream = nullptr;
+  DeviceBuffer scratch;
+  uint64_t scratch_floats = 0;
+  ~Lane() {
+    if (stream) (void)cudaStreamDestroy(stream);
+  }
+};
+
 class CudaStore final : public ps::ParamStore {
  public:
-  ~CudaStore() override {
-    if (stream_) (void)cudaStreamDestroy(stream_);
-  }
-
-  Status Init() {
-    DSYNC_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
-                      "creating the CUDA store's stream");
-    return Status::Ok();
-  }
-
   std::string_view name() const override { return "cuda"; }
 
   // Pinned: host-to-device copies from it run asynchronously and at full PCIe/NVLink speed
@@ -82,13 +91,11 @@ class CudaStore final : public ps::ParamStore {
     auto slice = std::make_unique<Slice>();
     slice->n = init.size();
     DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(init.size(), "allocating a slice"));
-    {
-      std::lock_guard lock(stream_mu_);
-      DSYNC_CUDA_RETURN(cudaMemcpyAsync(slice->params.get(), init.data(), init.size_bytes(),
-                                        cudaMemcpyHostToDevice, stream_),
-                        "copying a slice's initial values");
-      DSYNC_CUDA_RETURN(cudaStreamSynchronize(stream_), "initializing a slice");
-    }
+    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    DSYNC_CUDA_RETURN(cudaMemcpyAsync(slice->params.get(), init.data(), init.size_bytes(),
+                                      cudaMemcpyHostToDevice, lane->stream),
+                      "copying a slice's initial values");
+    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "initializing a slice");
     return slices_.Insert(key, std::move(slice));
   }
 
@@ -100,58 +107,82 @@ class CudaStore final : public ps::ParamStore {
                     const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
-    // One stream and one gradient scratch area serve every slice: rounds on different slices
-    // are serialized here (first version; per-thread streams would overlap them).
-    std::lock_guard lock(stream_mu_);
+    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
       if (!s->state[i]) {
         DSYNC_ASSIGN_OR_RETURN(s->state[i], DeviceAlloc(s->n, "allocating optimizer state"));
-        DSYNC_CUDA_RETURN(cudaMemsetAsync(s->state[i].get(), 0, s->n * sizeof(float), stream_),
-                          "zeroing optimizer state");
+        DSYNC_CUDA_RETURN(
+            cudaMemsetAsync(s->state[i].get(), 0, s->n * sizeof(float), lane->stream),
+            "zeroing optimizer state");
       }
     }
-    // The scratch only grows: in steady state a round allocates nothing.
-    const uint64_t need = s->n * grads.size();
-    if (need > scratch_floats_) {
-      DSYNC_ASSIGN_OR_RETURN(scratch_, DeviceAlloc(need, "allocating gradient scratch"));
-      scratch_floats_ = need;
+    const uint64_t stride = PaddedStride(s->n);
+    {
+      // Enqueue only; nsys projects the range onto the stream that runs the copies.
+      trace::Scoped range(trace::Range::kStoreAggregate);
+      // The scratch only grows: in steady state a round allocates nothing.
+      const uint64_t need = stride * grads.size();
+      if (need > lane->scratch_floats) {
+        lane->scratch.reset();  // free first: the old and new areas need not coexist
+        lane->scratch_floats = 0;
+        DSYNC_ASSIGN_OR_RETURN(lane->scratch, DeviceAlloc(need, "allocating gradient scratch"));
+        lane->scratch_floats = need;
+      }
+      for (size_t j = 0; j < grads.size(); ++j) {
+        DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + j * stride, grads[j],
+                                          s->n * sizeof(float), cudaMemcpyHostToDevice,
+                                          lane->stream),
+                          "copying a gradient to the device");
+      }
     }
-    for (size_t j = 0; j < grads.size(); ++j) {
-      DSYNC_CUDA_RETURN(cudaMemcpyAsync(scratch_.get() + j * s->n, grads[j], s->n * sizeof(float),
-                                        cudaMemcpyHostToDevice, stream_),
-                        "copying a gradient to the device");
-    }
+    trace::Scoped range(trace::Range::kStoreApply);
     ++s->steps;
     const ps::OptimizerScalars sc =
         ps::MakeOptimizerScalars(opt, s->steps, static_cast<uint32_t>(grads.size()));
     DSYNC_CUDA_RETURN(LaunchApplyRound(UpdateOf(opt.kind), s->params.get(), s->state[0].get(),
-                                       s->state[1].get(), scratch_.get(),
-                                       static_cast<uint32_t>(grads.size()), s->n, s->n, sc,
-                                       stream_),
+                                       s->state[1].get(), lane->scratch.get(),
+                                       static_cast<uint32_t>(grads.size()), stride, s->n, sc,
+                                       lane->stream),
                       "launching the update kernel");
-    // The caller reuses the host gradient buffers once this returns.
-    DSYNC_CUDA_RETURN(cudaStreamSynchronize(stream_), "applying a round");
+    // The caller reuses the host gradient buffers once this returns, and may read the slice
+    // from another thread's stream next.
+    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "applying a round");
     return Status::Ok();
   }
 
   Status Read(SliceKey key, std::span<float> out) const override {
     DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
     DSYNC_RETURN_IF_ERROR(ps::SliceTable<Slice>::CheckReadSize(key, out.size(), s->n));
-    std::lock_guard lock(stream_mu_);
+    trace::Scoped range(trace::Range::kStoreRead);
+    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
     DSYNC_CUDA_RETURN(cudaMemcpyAsync(out.data(), s->params.get(), s->n * sizeof(float),
-                                      cudaMemcpyDeviceToHost, stream_),
+                                      cudaMemcpyDeviceToHost, lane->stream),
                       "reading a slice back");
-    DSYNC_CUDA_RETURN(cudaStreamSynchronize(stream_), "reading a slice back");
+    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "reading a slice back");
     return Status::Ok();
   }
 
  private:
+  // The calling thread's lane, created on its first call (once per thread, not per round).
+  Result<Lane*> MyLane() const {
+    std::lock_guard lock(lanes_mu_);
+    std::unique_ptr<Lane>& lane = lanes_[std::this_thread::get_id()];
+    if (!lane) {
+      auto fresh = std::make_unique<Lane>();
+      const cudaError_t err = cudaStreamCreateWithFlags(&fresh->stream, cudaStreamNonBlocking);
+      if (err != cudaSuccess) {
+        lanes_.erase(std::this_thread::get_id());
+        return CudaError(err, "creating a CUDA stream for this thread");
+      }
+      lane = std::move(fresh);
+    }
+    return lane.get();
+  }
+
   ps::SliceTable<Slice> slices_;
-  mutable std::mutex stream_mu_;  // guards the stream and the scratch
-  cudaStream_t stream_ = nullptr;
-  DeviceBuffer scratch_;
-  uint64_t scratch_floats_ = 0;
+  mutable std::mutex lanes_mu_;
+  mutable std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
 };
 
 }  // namespace
@@ -178,9 +209,7 @@ Result<std::unique_ptr<ps::ParamStore>> MakeCudaStore() {
                  "the GPU when there is one)",
                  why);
   }
-  auto store = std::make_unique<CudaStore>();
-  DSYNC_RETURN_IF_ERROR(store->Init());
-  return std::unique_ptr<ps::ParamStore>(std::move(store));
+  return std::unique_ptr<ps::ParamStore>(std::make_unique<CudaStore>());
 }
 
 }  // namespace dsync::cuda

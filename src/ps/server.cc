@@ -24,6 +24,7 @@
 #include "ps/backends.h"
 #include "ps/buffer_pool.h"
 #include "ps/handshake.h"
+#include "ps/trace.h"
 
 namespace dsync {
 namespace ps {
@@ -399,6 +400,7 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   void StagePush(PeerId peer, WorkerId worker, const FrameHeader& h, void* payload) {
+    trace::Scoped range(trace::Range::kServerPush);
     SliceState* s = FindSlice(h.tensor, h.slice);
     Status error;
     {
@@ -445,6 +447,7 @@ class ServerNode final : public Server, public TransportHandler {
   // Snapshot the slice into a pooled buffer (the apply thread may update the slice while the
   // reply is on the wire) and send it; the buffer returns to the pool when sent.
   void ReplyPull(SliceState& s, PeerId peer, uint64_t request) {
+    trace::Scoped range(trace::Range::kServerPull);
     const size_t bytes = s.elements * sizeof(float);
     void* buf = pool_.Acquire(bytes);
     if (!buf) return;
@@ -565,6 +568,8 @@ class ServerNode final : public Server, public TransportHandler {
 
   void ApplyRound(const PendingRound& r, std::vector<const float*>& grads,
                   std::vector<size_t>& used) {
+    // Payload: the round's number, shown on the timeline (0 is shown as no payload).
+    trace::Scoped range(trace::Range::kServerRound, r.round);
     std::shared_lock lock(slices_mu_);
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);

@@ -15,10 +15,12 @@
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "ps/backends.h"
 #include "ps/handshake.h"
 #include "ps/slicing.h"
+#include "ps/trace.h"
 
 namespace dsync {
 namespace ps {
@@ -325,6 +327,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     Clock clock = 0;
     float* out = nullptr;
     Version version = 0;    // pulls: lowest slice version read
+    Version min_version = 0;  // pulls: the version the servers were asked to wait for
+    uint64_t trace = 0;     // pulls: the open "worker: pull" range
     Status status;
   };
   struct Tensor {
@@ -399,6 +403,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     if (o.done) return;
     o.done = true;
     o.status = st;
+    trace::End(std::exchange(o.trace, 0));
     if (o.detached) FreeOp(op);
     cv_.notify_all();
   }
@@ -412,6 +417,16 @@ class WorkerNode final : public Worker, public TransportHandler {
                    o.tensor, o.clock);
     }
     const uint32_t gen = o.gen;
+    std::optional<trace::Scoped> waiting;
+    if (!o.done) {
+      // A pull waits for the bound while it is held back here or asks for a version newer
+      // than any this worker has seen (the server holds it until that round is applied).
+      const bool bound = o.kind == OpKind::kPull &&
+                         (!o.sent || o.min_version > tensors_[o.tensor].version);
+      waiting.emplace(o.kind != OpKind::kPull ? trace::Range::kWorkerWaitForPush
+                      : bound                 ? trace::Range::kWorkerWaitForBound
+                                              : trace::Range::kWorkerWaitForPull);
+    }
     cv_.wait(lock, [&] {
       return ops_[op].gen != gen || (ops_[op].done && ops_[op].receiving == 0);
     });
@@ -454,6 +469,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   }
 
   Handle PushLocked(TensorId tensor, const float* grad, bool detached) {
+    trace::Scoped range(trace::Range::kWorkerPush);
     const uint32_t op = NewOp(OpKind::kPush, tensor);
     ops_[op].clock = clock_;
     Status st = CheckPush(tensor);
@@ -489,6 +505,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     o.clock = clock;
     o.out = out;
     o.version = std::numeric_limits<Version>::max();
+    o.trace = trace::Start(trace::Range::kWorkerPull);
     Status st = CheckTensor(tensor);
     if (!st.ok()) {
       FinishOp(op, st);
@@ -506,6 +523,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   void SendPulls(uint32_t op) {
     Op& o = ops_[op];
     o.sent = true;
+    o.min_version = gate_;
     for (const SliceRef& s : tensors_[o.tensor].layout.slices) {
       FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
       h.aux = gate_;  // the server answers once the slice has at least this version
