@@ -8,6 +8,9 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <thread>
+
+#include <fmt/format.h>
 
 #include "cpu/cpu_store.h"
 #if DSYNC_HAVE_CUDA
@@ -176,6 +179,62 @@ TEST_P(StoreTest, PooledBuffersAreReusedNotReallocated) {
   void* small = pool.Acquire(10);
   EXPECT_EQ(pool.created(), 5u);
   pool.Release(small, 10);
+}
+
+TEST_P(StoreTest, RoundsOnDifferentSlicesRunFromSeveralThreadsAtOnce) {
+  // The server applies rounds on one thread while transport threads read other slices for
+  // pulls; the CUDA store gives each thread its own stream. Each thread owns one slice here;
+  // the main thread reads every slice at the end, after the other threads' streams.
+  constexpr int kThreads = 4, kRounds = 12;
+  const OptimizerConfig opt = Optimizer(OptimizerKind::kMomentum);
+  std::vector<Reference> refs(kThreads);
+  std::vector<std::string> failures(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const size_t n = 4097 + static_cast<size_t>(t) * 3;
+      const SliceKey key = MakeSliceKey(9, static_cast<uint32_t>(t));
+      const std::vector<float> init = Random(n, 40 + static_cast<uint32_t>(t));
+      Reference& ref = refs[t];
+      ref = Reference{{init.begin(), init.end()}, std::vector<double>(n), std::vector<double>(n)};
+      if (!store_->InitSlice(key, init).ok()) {
+        failures[t] = "InitSlice failed";
+        return;
+      }
+      std::vector<float> out(n);
+      for (uint32_t round = 0; round < kRounds; ++round) {
+        const std::vector<std::vector<float>> grads = {
+            Random(n, 1000 * static_cast<uint32_t>(t) + 2 * round),
+            Random(n, 1000 * static_cast<uint32_t>(t) + 2 * round + 1)};
+        const float* ptrs[] = {grads[0].data(), grads[1].data()};
+        Status st = store_->ApplyRound(key, ptrs, opt);
+        ref.Step(opt, grads);
+        std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+        if (st.ok()) st = store_->Read(key, out);
+        if (!st.ok()) {
+          failures[t] = st.ToString();
+          return;
+        }
+        for (size_t i = 0; i < n; ++i) {
+          if (!(std::abs(out[i] - ref.w[i]) <= 1e-5 * std::max(1.0, std::abs(ref.w[i])))) {
+            failures[t] = fmt::format("round {} element {}: {} instead of {}", round, i,
+                                      out[i], ref.w[i]);
+            return;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    ASSERT_EQ(failures[t], "") << "thread " << t;
+    const size_t n = refs[t].w.size();
+    std::vector<float> out(n, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(store_->Read(MakeSliceKey(9, static_cast<uint32_t>(t)), out).ok());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(out[i], refs[t].w[i], 1e-5 * std::max(1.0, std::abs(refs[t].w[i])));
+    }
+  }
 }
 
 std::vector<StoreCase> Stores() {
