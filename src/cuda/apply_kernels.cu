@@ -1,48 +1,32 @@
 #include "cuda/apply_kernels.h"
 
+#include "cuda/apply_thread.h"
+
 namespace dsync::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr uint64_t kMaxBlocks = 65535;
 
-template <Update U>
-__device__ __forceinline__ void Step(float& w, float* s0, float* s1, uint64_t i, float sum,
-                                     const ps::OptimizerScalars& sc) {
-  if constexpr (U == Update::kSum) {
-    ps::SumStep(w, sum);
-  } else if constexpr (U == Update::kSgd) {
-    ps::SgdStep(w, sum, sc);
-  } else if constexpr (U == Update::kMomentum) {
-    ps::MomentumStep(w, s0[i], sum, sc);
-  } else {
-    ps::AdamStep(w, s0[i], s1[i], sum, sc);
-  }
-}
-
-// Grid-stride loop: one pass over the parameters, each gradient read once. Sums run in
-// gradient order, as the CPU store's do; nvcc may contract multiply-adds into FMAs, so
+// Grid-stride: one pass over the parameters, each gradient read once; the per-thread work,
+// float4 path included, is ApplyThread (apply_thread.h), which the host tests emulate. Sums
+// run in gradient order, as the CPU store's do; nvcc may contract multiply-adds into FMAs, so
 // results agree with the CPU store to rounding, not bit for bit (DESIGN.md §2, invariant 4).
 template <Update U>
-__global__ void ApplyRoundKernel(float* __restrict__ w, float* __restrict__ s0,
-                                 float* __restrict__ s1, const float* __restrict__ g,
-                                 uint32_t k, uint64_t stride, uint64_t n,
-                                 ps::OptimizerScalars sc) {
-  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += step) {
-    float sum = g[i];
-    for (uint32_t j = 1; j < k; ++j) sum += g[j * stride + i];
-    float wi = w[i];
-    Step<U>(wi, s0, s1, i, sum, sc);
-    w[i] = wi;
-  }
+__global__ void __launch_bounds__(kThreads)
+    ApplyRoundKernel(float* __restrict__ w, float* __restrict__ s0, float* __restrict__ s1,
+                     const float* __restrict__ g, uint32_t k, uint64_t stride, uint64_t n,
+                     ps::OptimizerScalars sc) {
+  ApplyThread<U>(static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                 static_cast<uint64_t>(gridDim.x) * blockDim.x, w, s0, s1, g, k, stride, n, sc);
 }
 
 template <Update U>
 cudaError_t Launch(float* w, float* s0, float* s1, const float* g, uint32_t k, uint64_t stride,
                    uint64_t n, const ps::OptimizerScalars& sc, cudaStream_t stream) {
-  const uint64_t want = (n + kThreads - 1) / kThreads;
+  // One thread per float4 group (plus the tail), or per element on the scalar path.
+  const uint64_t items = UsesVec4<U>(w, s0, s1, g, k, stride) ? n / 4 + n % 4 : n;
+  const uint64_t want = (items + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < kMaxBlocks ? (want ? want : 1) : kMaxBlocks);
   ApplyRoundKernel<U><<<blocks, kThreads, 0, stream>>>(w, s0, s1, g, k, stride, n, sc);
   return cudaGetLastError();

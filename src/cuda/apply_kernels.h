@@ -12,10 +12,16 @@ namespace dsync::cuda {
 
 enum class Update : int { kSum, kSgd, kMomentum, kAdam };
 
+// The gradient stride that keeps every gradient of a round 16-byte aligned: n rounded up to a
+// multiple of 4 floats.
+constexpr uint64_t GradientStride(uint64_t n) { return (n + 3) / 4 * 4; }
+
 // One round on one slice, fused: for every element, the k gradients (device memory, laid out
 // back to back `stride` floats apart) are summed in order 0..k-1 — the worker-id order that
 // makes rounds deterministic — and the optimizer step of ps/optimizer_math.h is applied to
-// w (and its state s0, s1). Asynchronous on `stream`; returns the launch error, if any.
+// w (and its state s0, s1). k >= 1. Asynchronous on `stream`; returns the launch error, if
+// any. Any pointer alignment and stride work; 16-byte aligned arrays and a stride that is a
+// multiple of 4 (GradientStride) take the float4 path (apply_thread.h), with equal results.
 cudaError_t LaunchApplyRound(Update update, float* w, float* s0, float* s1, const float* grads,
                              uint32_t k, uint64_t stride, uint64_t n,
                              const ps::OptimizerScalars& scalars, cudaStream_t stream);

@@ -58,10 +58,6 @@ struct Slice {
   uint64_t steps = 0;
 };
 
-// Gradient slots in the scratch area start at multiples of 4 floats, so that the kernel's
-// 16-byte loads stay aligned for every gradient (cudaMalloc itself aligns to 256 bytes).
-uint64_t PaddedStride(uint64_t n) { return (n + 3) & ~uint64_t{3}; }
-
 // What one calling thread uses: its own stream, and the scratch its rounds copy gradients
 // into. Only the owning thread touches a lane, so rounds and reads issued by different
 // threads (the server's apply thread, its transport threads answering pulls) overlap on
@@ -117,7 +113,8 @@ class CudaStore final : public ps::ParamStore {
             "zeroing optimizer state");
       }
     }
-    const uint64_t stride = PaddedStride(s->n);
+    // Padded so that every gradient slot keeps the kernel's 16-byte loads aligned.
+    const uint64_t stride = GradientStride(s->n);
     {
       // Enqueue only; nsys projects the range onto the stream that runs the copies.
       trace::Scoped range(trace::Range::kStoreAggregate);

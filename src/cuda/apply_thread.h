@@ -1,0 +1,130 @@
+// One thread's share of the fused update kernel (apply_kernels.cu), written as host+device
+// code so that tests/apply_kernels_test.cc can emulate any grid on a CPU and check, bit for
+// bit, the index logic of the float4 path, its scalar tail and its scalar fallback.
+//
+// float4 is CUDA's own type from <vector_types.h> (plain C++, usable by g++): host and device
+// then share one definition whose 16-byte alignment the device's vector loads rely on.
+#pragma once
+
+#include <vector_types.h>
+
+#include <cstdint>
+#include <cstdlib>  // host emulation only: abort, memcpy
+#include <cstring>
+
+#include "cuda/apply_kernels.h"
+#include "ps/optimizer_math.h"
+
+namespace dsync::cuda {
+
+// Per-element state arrays an update reads and writes (momentum: v; adam: m, v). A variable,
+// not a function, so that device code may use it without --expt-relaxed-constexpr.
+template <Update U>
+inline constexpr int kStateArrays = U == Update::kAdam ? 2 : U == Update::kMomentum ? 1 : 0;
+
+DSYNC_HD bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A 16-byte global access must be 16-byte aligned, or it reads wrong words or faults
+// (CUDA C++ Programming Guide, "Device Memory Accesses"; float4's alignment: "Built-in Vector
+// Types"). cudaMalloc returns 256-byte aligned memory, so in the store only the gradient
+// stride can break it. Only the arrays update U touches count: sgd ignores s0 and s1.
+template <Update U>
+DSYNC_HD bool UsesVec4(const float* w, const float* s0, const float* s1, const float* g,
+                       uint32_t k, uint64_t stride) {
+  bool ok = Aligned16(w) && Aligned16(g) && (k <= 1 || stride % 4 == 0);
+  if constexpr (kStateArrays<U> >= 1) ok = ok && Aligned16(s0);
+  if constexpr (kStateArrays<U> >= 2) ok = ok && Aligned16(s1);
+  return ok;
+}
+
+// The device loads and stores whole float4s. The host emulation copies bytes instead (no
+// aliasing questions) and aborts where the device would fault on a misaligned access.
+DSYNC_HD float4 Load4(const float* p) {
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const float4*>(p);
+#else
+  if (!Aligned16(p)) std::abort();
+  float4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+#endif
+}
+
+DSYNC_HD void Store4(float* p, const float4& v) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<float4*>(p) = v;
+#else
+  if (!Aligned16(p)) std::abort();
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+
+// The optimizer step of ps/optimizer_math.h on one element; s0/s1 are dummies where unused.
+template <Update U>
+DSYNC_HD void Step(float& w, float& s0, float& s1, float sum, const ps::OptimizerScalars& sc) {
+  if constexpr (U == Update::kSum) {
+    ps::SumStep(w, sum);
+  } else if constexpr (U == Update::kSgd) {
+    ps::SgdStep(w, sum, sc);
+  } else if constexpr (U == Update::kMomentum) {
+    ps::MomentumStep(w, s0, sum, sc);
+  } else {
+    ps::AdamStep(w, s0, s1, sum, sc);
+  }
+  (void)s0;
+  (void)s1;
+}
+
+// Thread `thread` of `threads` (grid-stride): with the float4 path it takes groups of 4
+// elements q = thread, thread + threads, ... below n/4, then the n % 4 tail elements one
+// each; otherwise single elements thread, thread + threads, ... Every element of [0, n) is
+// owned by exactly one thread, and nothing outside it (nor gradient padding) is read.
+// Per element, both paths sum the k >= 1 gradients in order 0..k-1 and then call the same
+// Step, so they give identical results.
+template <Update U>
+DSYNC_HD void ApplyThread(uint64_t thread, uint64_t threads, float* __restrict__ w,
+                          float* __restrict__ s0, float* __restrict__ s1,
+                          const float* __restrict__ g, uint32_t k, uint64_t stride, uint64_t n,
+                          const ps::OptimizerScalars& sc) {
+  uint64_t scalar_from = 0;
+  if (UsesVec4<U>(w, s0, s1, g, k, stride)) {
+    const uint64_t groups = n / 4;
+    for (uint64_t q = thread; q < groups; q += threads) {
+      const uint64_t i = 4 * q;
+      float4 sum = Load4(g + i);
+      for (uint32_t j = 1; j < k; ++j) {
+        const float4 gj = Load4(g + j * stride + i);
+        sum.x += gj.x;
+        sum.y += gj.y;
+        sum.z += gj.z;
+        sum.w += gj.w;
+      }
+      float4 wv = Load4(w + i);
+      float4 a{}, b{};
+      if constexpr (kStateArrays<U> >= 1) a = Load4(s0 + i);
+      if constexpr (kStateArrays<U> >= 2) b = Load4(s1 + i);
+      Step<U>(wv.x, a.x, b.x, sum.x, sc);
+      Step<U>(wv.y, a.y, b.y, sum.y, sc);
+      Step<U>(wv.z, a.z, b.z, sum.z, sc);
+      Step<U>(wv.w, a.w, b.w, sum.w, sc);
+      Store4(w + i, wv);
+      if constexpr (kStateArrays<U> >= 1) Store4(s0 + i, a);
+      if constexpr (kStateArrays<U> >= 2) Store4(s1 + i, b);
+    }
+    scalar_from = 4 * groups;
+  }
+  for (uint64_t i = scalar_from + thread; i < n; i += threads) {
+    float sum = g[i];
+    for (uint32_t j = 1; j < k; ++j) sum += g[j * stride + i];
+    float wi = w[i];
+    float a = 0.0f, b = 0.0f;
+    if constexpr (kStateArrays<U> >= 1) a = s0[i];
+    if constexpr (kStateArrays<U> >= 2) b = s1[i];
+    Step<U>(wi, a, b, sum, sc);
+    w[i] = wi;
+    if constexpr (kStateArrays<U> >= 1) s0[i] = a;
+    if constexpr (kStateArrays<U> >= 2) s1[i] = b;
+  }
+}
+
+}  // namespace dsync::cuda
