@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what dsyncps needs to build and test on Debian 12, idempotently: when every
-# package is already there it changes nothing and does not touch the network.
+# package is already there (and apt knows the kernel package that rxe-vm.sh downloads) it changes
+# nothing and does not touch the network.
 set -euo pipefail
 
 packages=(
@@ -8,13 +9,23 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
   libopenblas-dev dataset-fashion-mnist gnuplot-nox
+  # the RDMA transport (src/rdma)
+  libibverbs-dev librdmacm-dev
+  # scripts/rxe-vm.sh (RDMA tests in a soft-RoCE QEMU VM): the emulator, the VM's userland,
+  # and the tools that unpack the kernel package and compute its module closure
+  qemu-system-x86 busybox-static cpio kmod xz-utils
+  rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest iproute2
 )
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-if [ ${#missing[@]} -eq 0 ]; then
+# scripts/rxe-vm.sh fetches Debian's kernel with apt-get download: apt's package lists must
+# know linux-image-amd64 (container images often come without lists).
+lists_ok=1
+apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=0
+if [ ${#missing[@]} -eq 0 ] && [ $lists_ok -eq 1 ]; then
   exit 0
 fi
 
@@ -25,6 +36,8 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
   fi
 fi
-echo "deps.sh: installing ${missing[*]}"
+[ ${#missing[@]} -eq 0 ] || echo "deps.sh: installing ${missing[*]}"
 $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -gt 0 ]; then
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

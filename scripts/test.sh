@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds dsyncps and runs every test (unit, multi-process, fault and bad-input tests).
+# Builds dsyncps and runs every test (unit, multi-process, fault and bad-input tests), then the
+# RDMA tests in a soft-RoCE VM (scripts/test-rdma.sh; DSYNC_SKIP_RDMA_VM=1 skips them).
 # Installs its build dependencies first (Debian 12, idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,3 +10,9 @@ build="${DSYNC_BUILD_DIR:-build}"
 # Tests start clusters of threads and processes on 127.0.0.1; they run one at a time so that
 # their timing-based scenarios (stragglers, heartbeat timeouts) see a quiet machine.
 ctest --test-dir "$build" --output-on-failure --timeout 180 "$@"
+# RDMA tests need an RDMA device: they run in a soft-RoCE QEMU VM (about a minute on 2 cores).
+if [ "${DSYNC_SKIP_RDMA_VM:-0}" = 1 ]; then
+  echo "test.sh: RDMA tests in the soft-RoCE VM SKIPPED (DSYNC_SKIP_RDMA_VM=1, for quick local loops; CI runs them)"
+else
+  scripts/test-rdma.sh
+fi

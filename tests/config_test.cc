@@ -147,9 +147,15 @@ TEST(ConfigValidate, RefusesWhatCannotRun) {
   c.heartbeat_timeout_ms = c.heartbeat_interval_ms;
   EXPECT_NE(c.Validate().message().find("heartbeat timeout"), std::string::npos);
   c = Config();
+  c.transport = "infiniband";
+  EXPECT_NE(c.Validate().message().find("not one of tcp, rdma, auto"), std::string::npos);
   c.transport = "rdma";
+#if DSYNC_HAVE_RDMA
+  EXPECT_TRUE(c.Validate().ok());  // whether a device is there is the transport factory's question
+#else
   EXPECT_EQ(c.Validate().code(), StatusCode::kUnimplemented);
   EXPECT_NE(c.Validate().message().find("--transport tcp"), std::string::npos);
+#endif
   c = Config();
   c.store = "cuda";
   EXPECT_TRUE(c.Validate().ok());  // whether a GPU is there is the store factory's question

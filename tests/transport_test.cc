@@ -29,6 +29,9 @@
 #include "ps/protocol.h"
 #include "ps/transport.h"
 #include "tcp/tcp_transport.h"
+#if DSYNC_HAVE_RDMA
+#include "rdma/rdma_transport.h"
+#endif
 
 namespace dsync::ps {
 namespace {
@@ -301,8 +304,12 @@ class DoneTracker {
 
 struct TransportKind {
   std::string name;
+  // Null where the transport cannot run on this machine; skip() then says why.
   std::function<std::unique_ptr<Transport>()> make;
   bool raw_tcp = false;  // its listener speaks the frame format over plain TCP
+  // The address to listen on and connect to (RDMA: the IP of the RDMA netdev).
+  std::function<std::string(Transport&)> host = [](Transport&) { return "127.0.0.1"; };
+  std::function<std::string()> skip = [] { return std::string(); };
 };
 // gtest would otherwise print the struct's bytes, padding included.
 void PrintTo(const TransportKind& kind, std::ostream* os) { *os << kind.name; }
@@ -361,16 +368,19 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
  protected:
   void SetUp() override {
     server_ = GetParam().make();
+    if (!server_) GTEST_SKIP() << GetParam().skip();
     client_ = GetParam().make();
+    host_ = GetParam().host(*server_);
     server_->SetHandler(&server_h_);
     client_->SetHandler(&client_h_);
-    auto port = server_->Listen("127.0.0.1", 0);
+    auto port = server_->Listen(host_, 0);
     ASSERT_TRUE(port.ok()) << port.status().ToString();
     ASSERT_NE(*port, 0);
     port_ = *port;
   }
 
   void TearDown() override {
+    if (!server_) return;  // skipped
     client_->Shutdown();
     server_->Shutdown();
     client_h_.Stop();
@@ -383,7 +393,7 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
 
   // Connects the client to the server; returns {client's peer id, server's peer id}.
   std::pair<PeerId, PeerId> ConnectPair() {
-    auto peer = client_->Connect("127.0.0.1", port_, 5000);
+    auto peer = client_->Connect(host_, port_, 5000);
     EXPECT_TRUE(peer.ok()) << peer.status().ToString();
     if (!peer.ok()) return {kNoPeer, kNoPeer};
     PeerId server_peer = server_h_.WaitInbound();
@@ -392,6 +402,7 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
   }
 
   bool raw_tcp() const { return GetParam().raw_tcp; }
+  const std::string& host() const { return host_; }
 
   // Handlers first: they must outlive the transports.
   Recorder server_h_;
@@ -399,13 +410,14 @@ class TransportTest : public ::testing::TestWithParam<TransportKind> {
   std::unique_ptr<Transport> server_;
   std::unique_ptr<Transport> client_;
   uint16_t port_ = 0;
+  std::string host_;
 };
 
 TEST_P(TransportTest, RoundTripPreservesHeaderMetaAndPayloadZeroCopy) {
   auto [cp, sp] = ConnectPair();
   ASSERT_NE(cp, kNoPeer);
-  EXPECT_EQ(client_->PeerAddress(cp), fmt::format("127.0.0.1:{}", port_));
-  EXPECT_TRUE(server_->PeerAddress(sp).starts_with("127.0.0.1:")) << server_->PeerAddress(sp);
+  EXPECT_EQ(client_->PeerAddress(cp), fmt::format("{}:{}", host(), port_));
+  EXPECT_TRUE(server_->PeerAddress(sp).starts_with(host() + ":")) << server_->PeerAddress(sp);
 
   const std::vector<size_t> sizes = {0, 1, 4093, 4u << 20, 64u << 20};
   const std::vector<size_t> meta_sizes = {0, 7, 1, kMaxMetaBytes, 300};
@@ -852,11 +864,11 @@ TEST_P(TransportTest, ConnectToAClosedPortFailsWithinTheTimeout) {
   ASSERT_NE(port, 0);
 
   const auto start = Clock::now();
-  auto peer = client_->Connect("127.0.0.1", port, 300);
+  auto peer = client_->Connect(host(), port, 300);
   const auto elapsed = Clock::now() - start;
   ASSERT_FALSE(peer.ok());
   EXPECT_EQ(peer.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(peer.status().message().find(fmt::format("127.0.0.1:{}", port)), std::string::npos)
+  EXPECT_NE(peer.status().message().find(fmt::format("{}:{}", host(), port)), std::string::npos)
       << peer.status().message();
   EXPECT_GE(elapsed, 250ms);  // it retried rather than giving up at once
   EXPECT_LT(elapsed, 3s);
@@ -866,7 +878,7 @@ TEST_P(TransportTest, ListenOnABusyPortFails) {
   Recorder h;
   auto other = GetParam().make();
   other->SetHandler(&h);
-  auto port = other->Listen("127.0.0.1", port_);
+  auto port = other->Listen(host(), port_);
   EXPECT_FALSE(port.ok());
   other->Shutdown();
 }
@@ -923,7 +935,7 @@ TEST_P(TransportTest, ShutdownWithLiveConnectionsAndInFlightSends) {
   client_->Shutdown();  // idempotent
   server_->Shutdown();
   EXPECT_FALSE(client_->Send(cp, TestHeader(MsgType::kPush, 0), {}, nullptr, 0).ok());
-  EXPECT_FALSE(client_->Connect("127.0.0.1", port_, 100).ok());
+  EXPECT_FALSE(client_->Connect(host(), port_, 100).ok());
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(client_h_.late_callbacks(), 0);
   EXPECT_EQ(server_h_.late_callbacks(), 0);
@@ -941,7 +953,7 @@ TEST_P(TransportTest, ShutdownFromInsideACallbackDoesNotDeadlock) {
   ASSERT_TRUE(server_h_.WaitDisconnected(sp));
   EXPECT_EQ(server_h_.why(sp).code(), StatusCode::kAborted);
   ASSERT_TRUE(client_h_.WaitDisconnected(cp));
-  EXPECT_FALSE(client_->Connect("127.0.0.1", port_, 200).ok());  // no longer listening
+  EXPECT_FALSE(client_->Connect(host(), port_, 200).ok());  // no longer listening
   server_->Shutdown();                                           // from outside: joins the threads
 }
 
@@ -989,12 +1001,31 @@ TEST(TcpTransport, EmulatedLinkDelayHoldsEveryFrameAtLeastThatLong) {
   server_h.Stop();
 }
 
+std::vector<TransportKind> Kinds() {
+  std::vector<TransportKind> v = {
+      {"tcp", [] { return tcp::MakeTcpTransport(); }, true},
+      // The emulated link latency must not change any behaviour but timing.
+      {"tcp_delayed", [] { return tcp::MakeTcpTransport({2ms}); }, true}};
+#if DSYNC_HAVE_RDMA
+  // Runs where an RDMA device is usable: in CI, inside the soft-RoCE VM
+  // (scripts/test-rdma.sh); elsewhere it skips, saying why.
+  v.push_back({"rdma",
+               []() -> std::unique_ptr<Transport> {
+                 auto made = rdma::MakeRdmaTransport();
+                 if (!made.ok()) return nullptr;
+                 return std::move(*made);
+               },
+               false,
+               [](Transport& made) {
+                 return dynamic_cast<rdma::RdmaTransport&>(made).device().ipv4;
+               },
+               [] { return rdma::MakeRdmaTransport().status().message(); }});
+#endif
+  return v;
+}
+
 INSTANTIATE_TEST_SUITE_P(
-    Transports, TransportTest,
-    ::testing::Values(TransportKind{"tcp", [] { return tcp::MakeTcpTransport(); }, true},
-                      // The emulated link latency must not change any behaviour but timing.
-                      TransportKind{"tcp_delayed",
-                                    [] { return tcp::MakeTcpTransport({2ms}); }, true}),
+    Transports, TransportTest, ::testing::ValuesIn(Kinds()),
     [](const ::testing::TestParamInfo<TransportKind>& p) { return p.param.name; });
 
 }  // namespace

@@ -105,7 +105,11 @@ struct Config {
   uint32_t heartbeat_timeout_ms = 5000;
   uint32_t connect_timeout_ms = 30000;
 
-  std::string transport = "tcp";  // tcp (rdma: issue 5)
+  // tcp | rdma (libibverbs; a clear error where no RDMA device is usable) | auto (rdma when
+  // a usable device exists, else tcp)
+  std::string transport = "tcp";
+  std::string rdma_device;  // RDMA device to use (empty: the first with a usable port)
+  int gid_index = -1;       // GID index (-1: the RoCE v2 IPv4-mapped GID of its netdev)
   std::string store = "cpu";      // cpu | cuda | auto (cuda when a GPU is visible)
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).

@@ -217,6 +217,11 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));
   if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
+  if (const std::string* v = get({"DSYNC_RDMA_DEVICE"})) c.rdma_device = *v;
+  if (const std::string* v = get({"DSYNC_GID_INDEX"})) {
+    DSYNC_ASSIGN_OR_RETURN(uint64_t gid, ParseUnsigned("DSYNC_GID_INDEX", *v, 65535));
+    c.gid_index = static_cast<int>(gid);
+  }
   if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
   // Under srun or mpirun every task gets a rank: with no explicit role, rank 0 is the
   // scheduler, the next num_servers ranks are servers and the rest workers.
@@ -272,10 +277,17 @@ Status Config::Validate() const {
                  "heartbeat timeout ({} ms) must exceed the heartbeat interval ({} ms)",
                  heartbeat_timeout_ms, heartbeat_interval_ms);
   }
-  if (transport != "tcp") {
-    return Error(StatusCode::kUnimplemented,
-                 "transport '{}' is not available in this build; use --transport tcp", transport);
+  if (transport != "tcp" && transport != "rdma" && transport != "auto") {
+    return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
+                 transport);
   }
+#if !DSYNC_HAVE_RDMA
+  if (transport == "rdma") {
+    return Error(StatusCode::kUnimplemented,
+                 "this build has no RDMA transport (libibverbs-dev and librdmacm-dev were not "
+                 "found when it was configured); use --transport tcp, or rebuild with them");
+  }
+#endif
   if (store != "cpu" && store != "cuda" && store != "auto") {
     return Error(StatusCode::kInvalidArgument,
                  "parameter store '{}' is not one of cpu, cuda, auto", store);

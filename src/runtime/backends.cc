@@ -4,6 +4,9 @@
 
 #include "cpu/cpu_store.h"
 #include "tcp/tcp_transport.h"
+#if DSYNC_HAVE_RDMA
+#include "rdma/rdma_transport.h"
+#endif
 #if DSYNC_HAVE_CUDA
 #include "cuda/cuda_store.h"
 #endif
@@ -11,11 +14,26 @@
 namespace dsync::ps {
 
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
+#if DSYNC_HAVE_RDMA
+  if (config.transport == "rdma" || config.transport == "auto") {
+    rdma::RdmaOptions o;
+    o.device.device = config.rdma_device;
+    o.device.gid_index = config.gid_index;
+    auto t = rdma::MakeRdmaTransport(o);
+    if (t.ok()) return std::unique_ptr<Transport>(std::move(*t));
+    if (config.transport == "rdma") return t.status();
+    // auto: no usable RDMA device here, which is what TCP is for.
+  }
+#else
+  if (config.transport == "rdma") {
+    return Error(StatusCode::kUnimplemented,
+                 "this build has no RDMA transport; use --transport tcp");
+  }
+#endif
   if (config.transport == "tcp" || config.transport == "auto") {
     return tcp::MakeTcpTransport({std::chrono::microseconds(config.link_delay_us)});
   }
-  return Error(StatusCode::kUnimplemented,
-               "transport '{}' is not available in this build; use --transport tcp",
+  return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
                config.transport);
 }
 
