@@ -292,7 +292,14 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   }
   {
     Proc p({DSYNC_BINARY, "server", "--transport", "rdma"}, {}, dir_ / "c.log");
+#if DSYNC_HAVE_RDMA
+    // Built with RDMA, on a machine without a device (this one; the VM runs other tests).
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 1);
+    EXPECT_NE(p.Output().find("no RDMA device found"), std::string::npos) << p.Output();
+    EXPECT_NE(p.Output().find("scripts/setup-rxe.sh"), std::string::npos) << p.Output();
+#else
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
+#endif
     EXPECT_NE(p.Output().find("use --transport tcp"), std::string::npos) << p.Output();
   }
   {

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "mlp_math.h"
 #include "train_job.h"
 
 namespace dsync::app {
@@ -23,6 +24,9 @@ Status CheckSpec(const TrainSpec& s) {
   if (!(s.target > 0 && s.target <= 1)) {
     return Error(StatusCode::kInvalidArgument, "--target is a fraction in (0, 1], e.g. 0.85");
   }
+  // Every worker runs on this machine: a GPU missing here fails now, before any process starts.
+  DSYNC_ASSIGN_OR_RETURN(const train::MlpMathKind math, train::ParseMlpMath(s.worker_math));
+  DSYNC_RETURN_IF_ERROR(train::ResolveMlpMath(math).status());
   return Status::Ok();
 }
 

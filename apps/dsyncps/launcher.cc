@@ -430,7 +430,8 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
       "--eval-samples", std::to_string(train.eval_samples),
       "--seed",      std::to_string(train.seed),
       "--compute-ms", fmt::format("{}", train.compute_ms),
-      "--log-every", std::to_string(train.log_every)};
+      "--log-every", std::to_string(train.log_every),
+      "--worker-math", train.worker_math};
   LaunchPlan plan;
   plan.servers = local.servers;
   plan.timeout_s = local.timeout_s;

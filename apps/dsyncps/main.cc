@@ -57,6 +57,9 @@ void AddTrainFlags(CLI::App& app, TrainOptions& t) {
   app.add_option("--report-every", t.report_every,
                  "mlp: print an @progress JSON line every N iterations (for launchers)")
       ->capture_default_str();
+  app.add_option("--worker-math", t.worker_math,
+                 "mlp: gradients on cpu | cuda (cuBLAS) | auto (cuda when a GPU is visible)")
+      ->capture_default_str();
 }
 
 // Flags of `train` and `compare` (the main job).
@@ -142,6 +145,10 @@ int main(int argc, char** argv) {
     AddMainJobFlags(*sub, main_cli);
     sub->add_option("--store", main_config.store, "servers' parameter store: cpu | cuda | auto")
         ->capture_default_str();
+    sub->add_option("--worker-math", main_cli.spec.worker_math,
+                    "workers' gradient math: cpu | cuda (cuBLAS) | auto (cuda when a GPU is "
+                    "visible)")
+        ->capture_default_str();
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
   cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();
@@ -195,6 +202,10 @@ int main(int argc, char** argv) {
     if (local.servers == 0 || local.workers == 0) {
       std::fprintf(stderr, "dsyncps: error: --servers and --workers must be at least 1\n");
       return 2;
+    }
+    if (dsync::Status s = dsync::app::CheckWorkerMath(train); !s.ok()) {
+      std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+      return s.code() == dsync::StatusCode::kInvalidArgument ? 2 : 1;
     }
     return dsync::app::RunLocal(SelfPath(argv[0]), local, config, train);
   }

@@ -41,10 +41,15 @@ struct TrainOptions {
   int64_t leave_at_round = -1;
   int64_t kill_at_round = -1;
   // mlp: every N iterations print a machine-readable progress line for a launcher:
-  //   @progress {"it":N,"v":VERSION,"loss":MEAN,"compute_ms":MEAN}
+  //   @progress {"it":N,"v":VERSION,"loss":MEAN,"compute_ms":MEAN,"gnorm":MEAN}
+  // (gnorm: the L2 norm of the worker's gradients)
   uint32_t report_every = 0;
+  std::string worker_math = "cpu";  // mlp: gradients on cpu | cuda | auto (cuda given a GPU)
 };
 int RunWorker(const Config& config, const TrainOptions& train);
+// mlp: whether --worker-math names a math this process can run (no GPU for cuda, a build
+// without CUDA: an error saying so), checked before a job is joined or launched.
+Status CheckWorkerMath(const TrainOptions& train);
 
 struct LocalOptions {
   uint32_t servers = 2;

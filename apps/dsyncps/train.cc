@@ -208,6 +208,14 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
   o.compute_ms = t.compute_ms;
   o.slow = t.slow;
   o.final_eval = t.eval_every > 0;  // a launcher's observer evaluates instead
+  auto math = train::ParseMlpMath(t.worker_math);
+  if (!math.ok()) return Fail(math.status());
+  auto resolved = train::ResolveMlpMath(*math);  // auto: what this machine has
+  if (!resolved.ok()) return Fail(resolved.status());
+  o.math = *resolved;
+  if (o.math == train::MlpMathKind::kCuda) {
+    std::printf("worker %u: gradients on the GPU (cuBLAS)\n", me);
+  }
   o.keep_going = [&](uint32_t iteration, Version v) {
     if (t.kill_at_round >= 0 && v >= static_cast<uint64_t>(t.kill_at_round)) {
       KillSelf(fmt::format("killed at round {}", v).c_str(), iteration);
@@ -218,17 +226,20 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
     }
     return true;
   };
-  double loss_sum = 0, compute_sum = 0;
+  double loss_sum = 0, compute_sum = 0, norm_sum = 0;
   uint32_t since_report = 0;
   auto report = train::TrainMlp(w, *train, *test, o, [&](const train::Progress& p) {
     if (t.report_every) {
       loss_sum += p.loss;
       compute_sum += p.compute_seconds;
+      norm_sum += p.grad_norm;
       if (++since_report == t.report_every) {
-        std::printf("@progress {\"it\":%u,\"v\":%llu,\"loss\":%.5f,\"compute_ms\":%.3f}\n",
+        std::printf("@progress {\"it\":%u,\"v\":%llu,\"loss\":%.5f,\"compute_ms\":%.3f,"
+                    "\"gnorm\":%.5g}\n",
                     p.iteration, static_cast<unsigned long long>(p.version),
-                    loss_sum / since_report, 1000 * compute_sum / since_report);
-        loss_sum = compute_sum = 0;
+                    loss_sum / since_report, 1000 * compute_sum / since_report,
+                    norm_sum / since_report);
+        loss_sum = compute_sum = norm_sum = 0;
         since_report = 0;
       }
     }
@@ -263,11 +274,19 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
 
 }  // namespace
 
+Status CheckWorkerMath(const TrainOptions& t) {
+  DSYNC_ASSIGN_OR_RETURN(const train::MlpMathKind math, train::ParseMlpMath(t.worker_math));
+  if (t.model == "mlp") DSYNC_RETURN_IF_ERROR(train::ResolveMlpMath(math).status());
+  return Status::Ok();
+}
+
 int RunWorker(const Config& config, const TrainOptions& t) {
   if (t.model != "linreg" && t.model != "count" && t.model != "mlp") {
     return Fail(Error(StatusCode::kInvalidArgument,
                       "model '{}' is not one of mlp, linreg, count", t.model));
   }
+  // Before joining: a worker that cannot compute must not take a place in the job.
+  if (Status s = CheckWorkerMath(t); !s.ok()) return Fail(s);
   // Several workers share this machine's cores: one BLAS thread each.
   openblas_set_num_threads(1);
   auto worker = Worker::Start(config);

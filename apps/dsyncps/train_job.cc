@@ -242,6 +242,17 @@ std::string_view StripTimestamp(std::string_view line) {
   return line;
 }
 
+// "" for the CPU (the default says nothing); else what the workers will run, auto resolved
+// here as they will resolve it (they run on this machine).
+std::string WorkerMathNote(const std::string& text) {
+  if (text == "cpu") return "";
+  auto kind = train::ParseMlpMath(text);
+  if (!kind.ok() || *kind != train::MlpMathKind::kAuto) return "; worker math " + text;
+  auto resolved = train::ResolveMlpMath(*kind);
+  return fmt::format("; worker math auto ({})",
+                     resolved.ok() ? train::MlpMathName(*resolved) : std::string_view("?"));
+}
+
 std::vector<std::string> WorkerArgs(const TrainSpec& spec, uint32_t i) {
   std::vector<std::string> a = {"--model",        "mlp",
                                 "--iters",        "0",
@@ -252,7 +263,8 @@ std::vector<std::string> WorkerArgs(const TrainSpec& spec, uint32_t i) {
                                 "--eval-every",   "0",
                                 "--log-every",    "0",
                                 "--report-every", std::to_string(kReportEvery),
-                                "--compute-ms",   fmt::format("{}", spec.compute_ms)};
+                                "--compute-ms",   fmt::format("{}", spec.compute_ms),
+                                "--worker-math",  spec.worker_math};
   const Scenario& s = spec.scenario;
   if (auto it = s.slow.find(i); it != s.slow.end()) {
     a.insert(a.end(), {"--slow", fmt::format("{}", it->second)});
@@ -458,14 +470,15 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   };
 
   std::printf("dsyncps train: %u worker(s), %u server(s), sync %s, %s %s lr %g, %.3g epochs "
-              "(%llu gradients of %u samples); scenario: %s\n",
+              "(%llu gradients of %u samples); scenario: %s%s\n",
               spec.workers, spec.servers, m.sync.c_str(),
               std::string(OptimizerName(spec.job.optimizer.kind)).c_str(),
               spec.job.optimizer.kind == OptimizerKind::kMomentum
                   ? fmt::format("{}", spec.job.optimizer.momentum).c_str()
                   : "",
               static_cast<double>(spec.job.optimizer.lr), spec.epochs,
-              static_cast<unsigned long long>(budget), spec.batch, m.scenario.c_str());
+              static_cast<unsigned long long>(budget), spec.batch, m.scenario.c_str(),
+              WorkerMathNote(spec.worker_math).c_str());
   std::fflush(stdout);
   const LaunchOutcome outcome = RunCluster(self, spec.job, plan, hooks);
   m.seconds = Since(t0);

@@ -40,6 +40,7 @@ struct TrainSpec {
   std::string out_dir;        // metrics.csv and summary.json here ("" : none)
   std::string label;          // shown in progress lines (compare: the mode)
   bool verbose = false;       // relay every line of every process
+  std::string worker_math = "cpu";  // workers' gradients: cpu | cuda | auto
 };
 
 // Parses the repeated "I=VALUE" scenario flags into `s` (workers < `workers`).

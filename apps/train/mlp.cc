@@ -137,6 +137,13 @@ float Mlp::Gradient(std::span<const float* const> params, const float* x, const 
       if (act[i] <= 0.0f) dprev[i] = 0.0f;
     }
   }
+  // Squares summed in double (dsdot), as GpuMlp sums them: the two norms agree to rounding.
+  double squares = 0;
+  for (size_t t = 0; t < specs_.size(); ++t) {
+    const auto n = static_cast<int>(specs_[t].size);
+    squares += cblas_dsdot(n, grads[t], 1, grads[t], 1);
+  }
+  gradient_norm_ = std::sqrt(squares);
   return static_cast<float>(loss / batch);
 }
 

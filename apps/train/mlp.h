@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dsync/status.h"
 #include "fashion_mnist.h"
 
 namespace dsync::train {
@@ -22,7 +23,23 @@ struct Evaluation {
   uint32_t samples = 0;
 };
 
-class Mlp {
+// The worker-side math a training loop runs: Mlp (OpenBLAS) or GpuMlp (cuBLAS, gpu_mlp.h).
+class MlpMath {
+ public:
+  virtual ~MlpMath() = default;
+  // See Mlp::Gradient and Mlp::Evaluate.
+  virtual float Gradient(std::span<const float* const> params, const float* x,
+                         const uint8_t* labels, uint32_t batch, std::span<float* const> grads) = 0;
+  virtual Evaluation Evaluate(std::span<const float* const> params, const Dataset& data,
+                              uint32_t limit = 0) = 0;
+  // L2 norm of the gradient the last Gradient call wrote, every tensor together.
+  virtual double last_gradient_norm() const = 0;
+  // The first error (a device's, a batch above the buffers): results since then are NaN and
+  // must not be pushed. The CPU math never fails.
+  virtual Status status() const { return Status::Ok(); }
+};
+
+class Mlp final : public MlpMath {
  public:
   // sizes: input, hidden..., classes (e.g. 784, 256, 128, 10). Workspace for `max_batch`.
   Mlp(std::vector<uint32_t> sizes, uint32_t max_batch);
@@ -38,11 +55,12 @@ class Mlp {
   // Mean cross-entropy of the batch (x: batch x inputs, row-major) and its gradient with
   // respect to every parameter (grads[i] has params()[i].size floats).
   float Gradient(std::span<const float* const> params, const float* x, const uint8_t* labels,
-                 uint32_t batch, std::span<float* const> grads);
+                 uint32_t batch, std::span<float* const> grads) override;
 
   // Accuracy and loss over the first `limit` samples of `data` (0: all), in batches.
   Evaluation Evaluate(std::span<const float* const> params, const Dataset& data,
-                      uint32_t limit = 0);
+                      uint32_t limit = 0) override;
+  double last_gradient_norm() const override { return gradient_norm_; }
 
   // Pixels of images[first..first+count) (wrapping around) scaled to [0, 1] into x.
   static void Gather(const Dataset& data, const uint32_t* indices, uint32_t count, float* x,
@@ -61,6 +79,7 @@ class Mlp {
   std::vector<std::vector<float>> dz_;  // gradient w.r.t. pre-activations per layer
   std::vector<float> eval_x_;
   std::vector<uint8_t> eval_labels_;
+  double gradient_norm_ = 0;
 };
 
 }  // namespace dsync::train

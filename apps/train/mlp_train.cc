@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <random>
 
 #include "evaluator.h"
@@ -25,8 +26,15 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     return Error(StatusCode::kInvalidArgument, "batch {} / shard {} of {} is not a valid setup",
                  o.batch, o.shard, o.shards);
   }
+  // Before registering anything: a missing GPU fails here, not halfway into the job.
+  DSYNC_ASSIGN_OR_RETURN(const MlpMathKind math, ResolveMlpMath(o.math));
   const std::vector<uint32_t> sizes = LayerSizes(train, o.hidden);
-  Mlp model(sizes, o.batch);
+  Mlp model(sizes, o.batch);  // the model's tensors and initial values; the CPU math
+  std::unique_ptr<MlpMath> device;
+  if (math == MlpMathKind::kCuda) {
+    DSYNC_ASSIGN_OR_RETURN(device, MakeCudaMlp(sizes, o.batch));
+  }
+  MlpMath& compute = device ? *device : static_cast<MlpMath&>(model);
   std::vector<std::vector<float>> params = model.Initialize(o.seed);
   std::vector<std::vector<float>> grads;
   std::vector<TensorId> ids;
@@ -59,6 +67,7 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
                               SnapshotEvaluator::Policy::kSkipWhenBusy);
   std::vector<std::span<const float>> views(params.begin(), params.end());
   MlpTrainReport report;
+  report.math = math;
   for (uint32_t it = 0; o.iterations == 0 || it < o.iterations; ++it) {
     if (worker.stop_requested()) break;
     Version version = 0;
@@ -77,7 +86,8 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     }
     const auto compute_start = SteadyClock::now();
     Mlp::Gather(train, batch_idx.data(), o.batch, x.data(), labels.data());
-    const float loss = model.Gradient(pptr, x.data(), labels.data(), o.batch, gptr);
+    const float loss = compute.Gradient(pptr, x.data(), labels.data(), o.batch, gptr);
+    DSYNC_RETURN_IF_ERROR(compute.status());  // a failed device's NaNs are never pushed
     const double compute_ms =
         std::chrono::duration<double, std::milli>(SteadyClock::now() - compute_start).count();
     SimulateCompute(o.compute_ms * o.slow + (o.slow - 1) * compute_ms);
@@ -87,13 +97,14 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     report.evals.insert(report.evals.end(), fresh.begin(), fresh.end());
     if (progress) {
       progress({it + 1, version, loss, compute_ms / 1000,
-                fresh.empty() ? nullptr : &report.evals.back()});
+                fresh.empty() ? nullptr : &report.evals.back(), compute.last_gradient_norm()});
     }
   }
   // The final model, evaluated in full.
   if (o.final_eval) {
     DSYNC_RETURN_IF_ERROR(PullAll(worker, ids, pmut, &report.final_version));
-    report.final_eval = model.Evaluate(pptr, test);
+    report.final_eval = compute.Evaluate(pptr, test);
+    DSYNC_RETURN_IF_ERROR(compute.status());
   }
   report.seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
   return report;

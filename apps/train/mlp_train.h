@@ -9,6 +9,7 @@
 #include "evaluator.h"
 #include "fashion_mnist.h"
 #include "mlp.h"
+#include "mlp_math.h"
 
 namespace dsync::train {
 
@@ -29,6 +30,9 @@ struct MlpTrainOptions {
   // (a graceful leave at a given round, for instance).
   std::function<bool(uint32_t iteration, Version version)> keep_going;
   bool final_eval = true;  // pull the final model and evaluate it on the whole test set
+  // Gradients (and the final evaluation) on the CPU, on a GPU (an error before training
+  // starts when there is none), or on a GPU when one is visible.
+  MlpMathKind math = MlpMathKind::kCpu;
 };
 
 struct Progress {
@@ -37,6 +41,7 @@ struct Progress {
   float loss = 0;          // minibatch loss
   double compute_seconds = 0;  // gradient computation of this iteration (without slow-down)
   const EvalPoint* eval;   // the newest evaluation finished since the last report, or null
+  double grad_norm = 0;    // L2 norm of this iteration's gradient, every tensor together
 };
 
 struct MlpTrainReport {
@@ -45,6 +50,7 @@ struct MlpTrainReport {
   Evaluation final_eval;
   std::vector<EvalPoint> evals;
   double seconds = 0;
+  MlpMathKind math = MlpMathKind::kCpu;  // what computed the gradients (auto resolved)
 };
 
 // input, hidden..., 10 classes.

@@ -11,7 +11,10 @@ size_t BufferPool::ClassOf(size_t bytes) {
 
 BufferPool::~BufferPool() {
   for (size_t c = 0; c < kClasses; ++c) {
-    for (void* p : free_[c]) store_->FreeHost(p, size_t{1} << c);
+    for (void* p : free_[c]) {
+      if (transport_) transport_->ForgetMemory(p, size_t{1} << c);
+      store_->FreeHost(p, size_t{1} << c);
+    }
   }
 }
 
@@ -27,7 +30,9 @@ void* BufferPool::Acquire(size_t bytes) {
     }
     ++created_;
   }
-  return store_->AllocateHost(size_t{1} << c);
+  void* p = store_->AllocateHost(size_t{1} << c);
+  if (p && transport_) (void)transport_->RegisterMemory(p, size_t{1} << c);
+  return p;
 }
 
 void BufferPool::Release(void* buffer, size_t bytes) {

@@ -11,12 +11,15 @@
 #include <vector>
 
 #include "ps/param_store.h"
+#include "ps/transport.h"
 
 namespace dsync::ps {
 
 class BufferPool {
  public:
-  explicit BufferPool(ParamStore* store) : store_(store) {}
+  // With a transport, every buffer is registered with it once, when created (RDMA).
+  explicit BufferPool(ParamStore* store, Transport* transport = nullptr)
+      : store_(store), transport_(transport) {}
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
@@ -33,6 +36,7 @@ class BufferPool {
   static size_t ClassOf(size_t bytes);
 
   ParamStore* store_;
+  Transport* transport_;
   mutable std::mutex mu_;
   std::array<std::vector<void*>, kClasses> free_;
   uint64_t created_ = 0;

@@ -35,7 +35,7 @@ class ServerNode final : public Server, public TransportHandler {
   ServerNode(const Config& config, std::unique_ptr<Transport> transport,
              std::unique_ptr<ParamStore> store)
       : cfg_(config), transport_(std::move(transport)), store_(std::move(store)),
-        pool_(store_.get()) {}
+        pool_(store_.get(), transport_.get()) {}
 
   ~ServerNode() override {
     Stop();

@@ -72,6 +72,12 @@ class Transport {
 
   // "host:port" of the peer, for messages.
   virtual std::string PeerAddress(PeerId peer) const = 0;
+
+  // Memory the node will send from and receive into again and again (pooled buffers): a
+  // transport that must register memory (RDMA) registers it once, not per message.
+  // ForgetMemory before the memory is freed. Failing to register only costs speed.
+  virtual Status RegisterMemory(const void* /*ptr*/, size_t /*bytes*/) { return Status::Ok(); }
+  virtual void ForgetMemory(const void* /*ptr*/, size_t /*bytes*/) {}
 };
 
 }  // namespace dsync::ps

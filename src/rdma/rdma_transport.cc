@@ -415,6 +415,23 @@ class Rdma final : public RdmaTransport {
     return c ? c->address : fmt::format("peer {}", peer);
   }
 
+  Status RegisterMemory(const void* ptr, size_t bytes) override {
+    std::lock_guard lock(mu_);
+    pinned_.emplace_back(ptr, bytes);
+    Status first;
+    for (auto& d : devices_) {
+      Status st = d->cache->Pin(ptr, bytes);
+      if (first.ok()) first = st;
+    }
+    return first;
+  }
+
+  void ForgetMemory(const void* ptr, size_t bytes) override {
+    std::lock_guard lock(mu_);
+    std::erase_if(pinned_, [&](const auto& p) { return p.first == ptr; });
+    for (auto& d : devices_) d->cache->Invalidate(ptr, bytes);
+  }
+
   RdmaStats stats() const override {
     RdmaStats s;
     s.eager_frames = eager_.load();
@@ -478,6 +495,7 @@ class Rdma final : public RdmaTransport {
     }
     fcntl(d->channel->fd, F_SETFL, fcntl(d->channel->fd, F_GETFL) | O_NONBLOCK);
     d->cache = std::make_unique<MrCache>(d->pd, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    for (const auto& [ptr, bytes] : pinned_) (void)d->cache->Pin(ptr, bytes);  // registered earlier
     devices_.push_back(std::move(d));
     return devices_.back().get();
   }
@@ -1280,6 +1298,7 @@ class Rdma final : public RdmaTransport {
   std::unordered_map<PeerId, std::shared_ptr<Conn>> conns_;
   std::unordered_map<rdma_cm_id*, std::shared_ptr<Conn>> by_cm_;
   std::vector<std::shared_ptr<Conn>> close_requests_;
+  std::vector<std::pair<const void*, size_t>> pinned_;  // RegisterMemory'd, for new devices
 
   std::atomic<uint64_t> eager_{0}, rendezvous_{0}, sleeps_{0};
 };
