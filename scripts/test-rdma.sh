@@ -15,13 +15,16 @@ build=${DSYNC_BUILD_DIR:-build}
 # vm_files: files/dirs copied into the VM at the same absolute paths (ELF programs bring their
 # shared libraries). vm_commands: shell command lines run there, cwd = the repository root,
 # with DSYNC_RDMA_DEVICE, DSYNC_RXE_GID_INDEX, DSYNC_RXE_IP set (see scripts/rxe-vm.sh).
-vm_files=("$repo/tests/rxe" "$build/tests/transport_test" "$build/tests/rdma_cluster_test")
+vm_files=("$repo/tests/rxe" "$build/tests/transport_test" "$build/tests/rdma_cluster_test"
+          "$build/apps/dsyncps/dsyncps")
 vm_commands=(
   "tests/rxe/smoke.sh"
   # The Transport conformance suite on real verbs (the TCP instances ran outside already).
   "$build/tests/transport_test --gtest_filter='*/rdma' --gtest_brief=1"
   # A whole job over RDMA: 1 scheduler, 2 servers, 2 workers; the model must equal TCP's.
   "$build/tests/rdma_cluster_test --gtest_brief=1"
+  # The same as separate processes, launched by the dsyncps program.
+  "$build/apps/dsyncps/dsyncps local --transport rdma --bind \$DSYNC_RXE_IP --servers 2 --workers 2 --model linreg --iters 40"
 )
 # ---------------------------------------------------------------------------------------------
 

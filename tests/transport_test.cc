@@ -943,6 +943,29 @@ TEST_P(TransportTest, ShutdownWithLiveConnectionsAndInFlightSends) {
   EXPECT_TRUE(server_h_.WaitDisconnected(sp2));
 }
 
+TEST_P(TransportTest, FramesWhoseSendCompletedArriveEvenIfTheSenderShutsDownAtOnce) {
+  // The scheduler's end of job: send kShutdown to every server, wait for the sends to
+  // complete, shut the transport down. The servers must get the frame, not just see the
+  // connection drop (over RDMA the disconnect travels apart from the data).
+  auto [cp, sp] = ConnectPair();
+  ASSERT_NE(cp, kNoPeer);
+  const auto big = Pattern(1u << 20, 9);
+  DoneTracker done(2);
+  ASSERT_TRUE(client_->Send(cp, TestHeader(MsgType::kPush, 1), {}, big.data(), big.size(),
+                            done.For(0)).ok());
+  ASSERT_TRUE(client_->Send(cp, TestHeader(MsgType::kShutdown, 2), {}, nullptr, 0, done.For(1))
+                  .ok());
+  ASSERT_TRUE(done.WaitAll());
+  EXPECT_EQ(done.ok(), 2u);
+  client_->Shutdown();
+  ASSERT_TRUE(server_h_.WaitFrames(2));
+  auto frames = server_h_.TakeFrames();
+  ASSERT_EQ(frames.size(), 2u);
+  EXPECT_EQ(FirstMismatch(frames[0].payload.get(), big.size(), 9), -1);
+  EXPECT_EQ(frames[1].header.msg_type(), MsgType::kShutdown);
+  EXPECT_TRUE(server_h_.WaitDisconnected(sp));
+}
+
 TEST_P(TransportTest, ShutdownFromInsideACallbackDoesNotDeadlock) {
   server_h_.after_frame = [&](PeerId, const FrameHeader& h) {
     if (h.msg_type() == MsgType::kShutdown) server_->Shutdown();

@@ -24,8 +24,16 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
   app.add_option("--connect-timeout-ms", c.connect_timeout_ms,
                  "how long to retry reaching a peer (DSYNC_CONNECT_TIMEOUT_MS)")
       ->capture_default_str();
-  app.add_option("--transport", c.transport, "tcp (rdma comes with a later release)")
+  app.add_option("--transport", c.transport,
+                 "tcp | rdma (libibverbs/librdmacm; listen with --bind on the RDMA netdev's IP) "
+                 "| auto (rdma when a usable device exists) (DSYNC_TRANSPORT)")
       ->capture_default_str();
+  app.add_option("--rdma-device", c.rdma_device,
+                 "RDMA device, e.g. mlx5_0 or rxe0 (DSYNC_RDMA_DEVICE; default: the first with "
+                 "an active port and an IPv4 RoCE v2 GID)");
+  app.add_option("--gid-index", c.gid_index,
+                 "GID index (DSYNC_GID_INDEX; default: the RoCE v2 IPv4-mapped GID of the "
+                 "device's netdev)");
   app.add_option("--store", c.store,
                  "parameter store: cpu | cuda | auto (the GPU when one is visible) (DSYNC_STORE)")
       ->capture_default_str();

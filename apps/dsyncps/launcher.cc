@@ -223,6 +223,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
       {"DSYNC_STORE", job.store},
       {"DSYNC_PORT", "0"},
   };
+  if (!job.rdma_device.empty()) env["DSYNC_RDMA_DEVICE"] = job.rdma_device;
+  if (job.gid_index >= 0) env["DSYNC_GID_INDEX"] = std::to_string(job.gid_index);
 
   if (pipe(g_signal_pipe) != 0) return outcome;
   signal(SIGINT, OnSignal);

@@ -149,6 +149,14 @@ int main(int argc, char** argv) {
                     "workers' gradient math: cpu | cuda (cuBLAS) | auto (cuda when a GPU is "
                     "visible)")
         ->capture_default_str();
+    sub->add_option("--transport", main_config.transport,
+                    "tcp | rdma (with --bind on the RDMA netdev's IP) | auto")
+        ->capture_default_str();
+    sub->add_option("--bind", main_config.bind_host,
+                    "address every process listens on (rdma: the RDMA netdev's IP)")
+        ->capture_default_str();
+    sub->add_option("--rdma-device", main_config.rdma_device, "RDMA device (default: the first usable)");
+    sub->add_option("--gid-index", main_config.gid_index, "GID index (default: the RoCE v2 IPv4 GID)");
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
   cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();

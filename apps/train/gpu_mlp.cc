@@ -313,6 +313,11 @@ float GpuMlp::Gradient(std::span<const float* const> params, const float* x,
 Status GpuMlp::RunEvaluate(std::span<const float* const> params, const Dataset& data, uint32_t n,
                            Evaluation* e) {
   DSYNC_RETURN_IF_ERROR(UploadParams(params));
+  if (n == 0) {
+    // No batch below synchronizes: wait here, so the upload is done (and its errors
+    // reported) on return, as when n > 0.
+    DSYNC_CUDA_RETURN(cudaStreamSynchronize(stream_), "uploading the parameters");
+  }
   std::vector<uint32_t> idx(max_batch_);
   uint64_t correct = 0;
   double loss = 0;

@@ -30,33 +30,36 @@ __global__ void BiasActivationKernel(float* __restrict__ z, const float* __restr
   }
 }
 
-// One thread per row: the MLP has 10 classes, too few to share a row between threads.
+// One thread per row: the MLP has 10 classes, too few to share a row between threads. A
+// grid-stride loop over the rows, as the grid is capped at kMaxBlocks.
 __global__ void SoftmaxCrossEntropyKernel(const float* __restrict__ logits,
                                           const uint8_t* __restrict__ labels, uint32_t rows,
                                           uint32_t classes, float grad_scale,
                                           float* __restrict__ dlogits,
                                           double* __restrict__ row_loss,
                                           uint32_t* __restrict__ row_correct) {
-  const uint32_t r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  const float* z = logits + static_cast<uint64_t>(r) * classes;
-  uint32_t best = 0;  // the first largest, as std::max_element
-  for (uint32_t j = 1; j < classes; ++j) {
-    if (z[j] > z[best]) best = j;
-  }
-  const uint32_t label = labels[r];
-  row_correct[r] = best == label ? 1u : 0u;
-  const float mx = z[best];
-  double sum = 0;
-  for (uint32_t j = 0; j < classes; ++j) sum += expf(z[j] - mx);
-  const auto inv = static_cast<float>(1.0 / sum);
-  const float p_label = expf(z[label] - mx) * inv;
-  row_loss[r] = -log(fmax(static_cast<double>(p_label), 1e-30));
-  if (dlogits) {
-    float* d = dlogits + static_cast<uint64_t>(r) * classes;
-    for (uint32_t j = 0; j < classes; ++j) {
-      const float onehot = j == label ? 1.0f : 0.0f;
-      d[j] = (expf(z[j] - mx) * inv - onehot) * grad_scale;
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t r = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += step) {
+    const float* z = logits + r * classes;
+    uint32_t best = 0;  // the first largest, as std::max_element
+    for (uint32_t j = 1; j < classes; ++j) {
+      if (z[j] > z[best]) best = j;
+    }
+    const uint32_t label = labels[r];
+    row_correct[r] = best == label ? 1u : 0u;
+    const float mx = z[best];
+    double sum = 0;
+    for (uint32_t j = 0; j < classes; ++j) sum += expf(z[j] - mx);
+    const auto inv = static_cast<float>(1.0 / sum);
+    const float p_label = expf(z[label] - mx) * inv;
+    row_loss[r] = -log(fmax(static_cast<double>(p_label), 1e-30));
+    if (dlogits) {
+      float* d = dlogits + r * classes;
+      for (uint32_t j = 0; j < classes; ++j) {
+        const float onehot = j == label ? 1.0f : 0.0f;
+        d[j] = (expf(z[j] - mx) * inv - onehot) * grad_scale;
+      }
     }
   }
 }
@@ -93,6 +96,7 @@ struct Square {
 template <typename F>
 cudaError_t Catching(F&& f) {
   try {
+    (void)cudaGetLastError();  // so the check below sees this call's error only
     f();
     return cudaGetLastError();
   } catch (const thrust::system_error& e) {
@@ -110,6 +114,8 @@ cudaError_t Catching(F&& f) {
 cudaError_t LaunchBiasActivation(float* z, const float* bias, uint32_t rows, uint32_t cols,
                                  bool relu, cudaStream_t stream) {
   const uint64_t n = static_cast<uint64_t>(rows) * cols;
+  // Clears an earlier call's (non-sticky) error, so the check below reports this launch's only.
+  (void)cudaGetLastError();
   BiasActivationKernel<<<Blocks(n), kThreads, 0, stream>>>(z, bias, n, cols, relu);
   return cudaGetLastError();
 }
@@ -118,12 +124,14 @@ cudaError_t LaunchSoftmaxCrossEntropy(const float* logits, const uint8_t* labels
                                       uint32_t classes, float grad_scale, float* dlogits,
                                       double* row_loss, uint32_t* row_correct,
                                       cudaStream_t stream) {
+  (void)cudaGetLastError();  // as in LaunchBiasActivation
   SoftmaxCrossEntropyKernel<<<Blocks(rows), kThreads, 0, stream>>>(
       logits, labels, rows, classes, grad_scale, dlogits, row_loss, row_correct);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchReluBackward(float* grad, const float* act, uint64_t n, cudaStream_t stream) {
+  (void)cudaGetLastError();  // as in LaunchBiasActivation
   ReluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(grad, act, n);
   return cudaGetLastError();
 }

@@ -28,6 +28,9 @@ cudaError_t Launch(float* w, float* s0, float* s1, const float* g, uint32_t k, u
   const uint64_t items = UsesVec4<U>(w, s0, s1, g, k, stride) ? n / 4 + n % 4 : n;
   const uint64_t want = (items + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(want < kMaxBlocks ? (want ? want : 1) : kMaxBlocks);
+  // cudaGetLastError() also returns an error left by any earlier failed call on this
+  // thread: clear it first, so that what we return is this launch's own.
+  (void)cudaGetLastError();
   ApplyRoundKernel<U><<<blocks, kThreads, 0, stream>>>(w, s0, s1, g, k, stride, n, sc);
   return cudaGetLastError();
 }

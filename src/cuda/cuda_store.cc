@@ -73,21 +73,30 @@ struct Lane {
 
 class CudaStore final : public ps::ParamStore {
  public:
+  // The device current at creation holds every slice; each entry point selects it, since a
+  // calling thread may have another device current (a worker's GPUs, NCCL).
+  explicit CudaStore(int device) : device_(device) {}
+
   std::string_view name() const override { return "cuda"; }
 
   // Pinned: host-to-device copies from it run asynchronously and at full PCIe/NVLink speed
   // (CUDA C++ Programming Guide, "Page-Locked Host Memory").
   void* AllocateHost(size_t bytes) override {
     void* p = nullptr;
-    return cudaMallocHost(&p, std::max<size_t>(bytes, 1)) == cudaSuccess ? p : nullptr;
+    if (cudaMallocHost(&p, std::max<size_t>(bytes, 1)) == cudaSuccess) return p;
+    (void)cudaGetLastError();  // the caller sees nullptr; leave no error behind for others
+    return nullptr;
   }
   void FreeHost(void* ptr, size_t /*bytes*/) override { (void)cudaFreeHost(ptr); }
 
   Status InitSlice(SliceKey key, std::span<const float> init) override {
+    if (HasSlice(key)) {  // before allocating and copying a whole slice for nothing
+      return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
+    }
+    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
     auto slice = std::make_unique<Slice>();
     slice->n = init.size();
     DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(init.size(), "allocating a slice"));
-    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
     DSYNC_CUDA_RETURN(cudaMemcpyAsync(slice->params.get(), init.data(), init.size_bytes(),
                                       cudaMemcpyHostToDevice, lane->stream),
                       "copying a slice's initial values");
@@ -107,12 +116,30 @@ class CudaStore final : public ps::ParamStore {
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
       if (!s->state[i]) {
-        DSYNC_ASSIGN_OR_RETURN(s->state[i], DeviceAlloc(s->n, "allocating optimizer state"));
-        DSYNC_CUDA_RETURN(
-            cudaMemsetAsync(s->state[i].get(), 0, s->n * sizeof(float), lane->stream),
-            "zeroing optimizer state");
+        // Zeroed before it joins the slice: a failure leaves no half-made state behind.
+        DSYNC_ASSIGN_OR_RETURN(DeviceBuffer state, DeviceAlloc(s->n, "allocating optimizer state"));
+        // On the lane's stream (non-blocking streams do not wait for the legacy default
+        // stream), and waited for: this happens once per slice.
+        DSYNC_CUDA_RETURN(cudaMemsetAsync(state.get(), 0, s->n * sizeof(float), lane->stream),
+                          "zeroing optimizer state");
+        DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "zeroing optimizer state");
+        s->state[i] = std::move(state);
       }
     }
+    // Once anything is queued on the stream, it is synchronized before returning, error or
+    // not: the caller reuses the host gradient buffers as soon as this returns.
+    const Status queued = EnqueueRound(s, lane, grads, opt);
+    const cudaError_t synced = cudaStreamSynchronize(lane->stream);
+    DSYNC_RETURN_IF_ERROR(queued);
+    if (synced != cudaSuccess) return CudaError(synced, "applying a round");
+    ++s->steps;  // counted only once applied: adam's bias correction depends on it
+    return Status::Ok();
+  }
+
+  // Copies the round's gradients to the device and launches the update, on the lane's
+  // stream; the caller synchronizes.
+  Status EnqueueRound(const Slice* s, Lane* lane, std::span<const float* const> grads,
+                      const OptimizerConfig& opt) {
     // Padded so that every gradient slot keeps the kernel's 16-byte loads aligned.
     const uint64_t stride = GradientStride(s->n);
     {
@@ -134,17 +161,13 @@ class CudaStore final : public ps::ParamStore {
       }
     }
     trace::Scoped range(trace::Range::kStoreApply);
-    ++s->steps;
     const ps::OptimizerScalars sc =
-        ps::MakeOptimizerScalars(opt, s->steps, static_cast<uint32_t>(grads.size()));
+        ps::MakeOptimizerScalars(opt, s->steps + 1, static_cast<uint32_t>(grads.size()));
     DSYNC_CUDA_RETURN(LaunchApplyRound(UpdateOf(opt.kind), s->params.get(), s->state[0].get(),
                                        s->state[1].get(), lane->scratch.get(),
                                        static_cast<uint32_t>(grads.size()), stride, s->n, sc,
                                        lane->stream),
                       "launching the update kernel");
-    // The caller reuses the host gradient buffers once this returns, and may read the slice
-    // from another thread's stream next.
-    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "applying a round");
     return Status::Ok();
   }
 
@@ -153,16 +176,19 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_RETURN_IF_ERROR(ps::SliceTable<Slice>::CheckReadSize(key, out.size(), s->n));
     trace::Scoped range(trace::Range::kStoreRead);
     DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
-    DSYNC_CUDA_RETURN(cudaMemcpyAsync(out.data(), s->params.get(), s->n * sizeof(float),
-                                      cudaMemcpyDeviceToHost, lane->stream),
-                      "reading a slice back");
-    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "reading a slice back");
+    const cudaError_t copied = cudaMemcpyAsync(out.data(), s->params.get(),
+                                               s->n * sizeof(float), cudaMemcpyDeviceToHost,
+                                               lane->stream);
+    const cudaError_t synced = cudaStreamSynchronize(lane->stream);  // even if the copy failed
+    DSYNC_CUDA_RETURN(copied, "reading a slice back");
+    DSYNC_CUDA_RETURN(synced, "reading a slice back");
     return Status::Ok();
   }
 
  private:
   // The calling thread's lane, created on its first call (once per thread, not per round).
   Result<Lane*> MyLane() const {
+    DSYNC_CUDA_RETURN(cudaSetDevice(device_), "selecting the store's GPU");
     std::lock_guard lock(lanes_mu_);
     std::unique_ptr<Lane>& lane = lanes_[std::this_thread::get_id()];
     if (!lane) {
@@ -177,6 +203,7 @@ class CudaStore final : public ps::ParamStore {
     return lane.get();
   }
 
+  const int device_;
   ps::SliceTable<Slice> slices_;
   mutable std::mutex lanes_mu_;
   mutable std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
@@ -206,7 +233,9 @@ Result<std::unique_ptr<ps::ParamStore>> MakeCudaStore() {
                  "the GPU when there is one)",
                  why);
   }
-  return std::unique_ptr<ps::ParamStore>(std::make_unique<CudaStore>());
+  int device = 0;
+  DSYNC_CUDA_RETURN(cudaGetDevice(&device), "finding the current GPU");
+  return std::unique_ptr<ps::ParamStore>(std::make_unique<CudaStore>(device));
 }
 
 }  // namespace dsync::cuda

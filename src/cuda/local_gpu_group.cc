@@ -32,6 +32,10 @@ Status CudaError(cudaError_t err, std::string_view what) {
                cudaGetErrorName(err));
 }
 
+Status CudaCheck(cudaError_t err, std::string_view what) {
+  return err == cudaSuccess ? Status::Ok() : CudaError(err, what);
+}
+
 #define DSYNC_CUDA_RETURN(call, what)                     \
   do {                                                    \
     if (cudaError_t err_ = (call); err_ != cudaSuccess) { \
@@ -150,14 +154,20 @@ class NcclGroup final : public LocalGpuGroup {
     for (size_t d = 0; d < streams_.size(); ++d) {
       if (streams_[d] != nullptr) (void)cudaStreamSynchronize(streams_[d]);
     }
-    // Finalize, then destroy, as NCCL's own single-process example does
-    // (docs/examples/01_communicators/01_multiple_devices_single_process).
-    for (ncclComm_t comm : comms_) {
-      if (comm == nullptr) continue;
+    // Finalize every communicator inside one group, then destroy them, as NCCL's own
+    // single-process example does (docs/examples/01_communicators/
+    // 01_multiple_devices_single_process): finalizing one rank alone from this single thread
+    // may wait for peers that are never finalized.
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
-      (void)ncclCommFinalize(comm);
+    if (ncclGroupStart() == ncclSuccess) {
+      for (ncclComm_t comm : comms_) {
+        if (comm != nullptr) (void)ncclCommFinalize(comm);
+      }
+      (void)ncclGroupEnd();
+    }
 #endif
-      (void)ncclCommDestroy(comm);
+    for (ncclComm_t comm : comms_) {
+      if (comm != nullptr) (void)ncclCommDestroy(comm);
     }
     for (size_t d = 0; d < streams_.size(); ++d) {
       if (streams_[d] == nullptr) continue;
@@ -366,13 +376,26 @@ class NcclGroup final : public LocalGpuGroup {
 
   // Streams are synchronized only after ncclGroupEnd returned (NCCL "Group Calls": inside a
   // group the operations may not be enqueued yet).
+  // Waits for every stream even after one fails (the others may still use the caller's
+  // buffers) and reports the first failure.
   Status SyncAll(std::string_view what) {
+    Status first = Status::Ok();
     for (size_t d = 0; d < streams_.size(); ++d) {
-      DSYNC_CUDA_RETURN(cudaStreamSynchronize(streams_[d]),
-                        fmt::format("cudaStreamSynchronize on CUDA device {} ({})", devices_[d],
-                                    what));
+      if (cudaError_t err = cudaStreamSynchronize(streams_[d]);
+          err != cudaSuccess && first.ok()) {
+        first = CudaError(err, fmt::format("cudaStreamSynchronize on CUDA device {} ({})",
+                                           devices_[d], what));
+      }
     }
-    return Status::Ok();
+    return first;
+  }
+
+  // For an error returned after work was queued: waits for every stream (ignoring its status),
+  // since the queued work may still use the caller's buffers or the pinned staging buffers,
+  // then returns st unchanged.
+  Status Drained(Status st) {
+    if (!st.ok()) (void)SyncAll("after an error");
+    return st;
   }
 
   // grads[d] -> (sum or mean) on the root GPU -> e.grad (host). Returns with every stream
@@ -385,15 +408,18 @@ class NcclGroup final : public LocalGpuGroup {
 #if DSYNC_NCCL_HAS_AVG
     if (reduce_ == LocalReduce::kAverage && nccl_avg_) op = ncclAvg;
 #endif
-    // recvbuff matters on the root only (NCCL API, ncclReduce).
-    DSYNC_RETURN_IF_ERROR(Grouped("ncclReduce", [&](size_t d) {
+    // recvbuff matters on the root only (NCCL API, ncclReduce). Every error return from here
+    // on drains the streams first: queued work may still read grads and write e.grad.
+    DSYNC_RETURN_IF_ERROR(Drained(Grouped("ncclReduce", [&](size_t d) {
       return ncclReduce(grads[d], d == 0 ? scratch_.get() : nullptr, e.n, ncclFloat32, op,
                         /*root=*/0, comms_[d], streams_[d]);
-    }));
-    DSYNC_CUDA_RETURN(cudaSetDevice(devices_[0]), fmt::format("cudaSetDevice({})", devices_[0]));
-    DSYNC_CUDA_RETURN(cudaMemcpyAsync(e.grad.get(), scratch_.get(), e.n * sizeof(float),
-                                      cudaMemcpyDeviceToHost, streams_[0]),
-                      "cudaMemcpyAsync of the reduced gradient to the host");
+    })));
+    DSYNC_RETURN_IF_ERROR(Drained(
+        CudaCheck(cudaSetDevice(devices_[0]), fmt::format("cudaSetDevice({})", devices_[0]))));
+    DSYNC_RETURN_IF_ERROR(
+        Drained(CudaCheck(cudaMemcpyAsync(e.grad.get(), scratch_.get(), e.n * sizeof(float),
+                                          cudaMemcpyDeviceToHost, streams_[0]),
+                          "cudaMemcpyAsync of the reduced gradient to the host")));
     DSYNC_RETURN_IF_ERROR(SyncAll("gradient reduction"));
     if (reduce_ == LocalReduce::kAverage && !nccl_avg_) {
       const float inv = 1.0f / static_cast<float>(devices_.size());
@@ -408,15 +434,18 @@ class NcclGroup final : public LocalGpuGroup {
     NvtxRange range("local: broadcast");
     CurrentDeviceGuard guard;
     DSYNC_CUDA_RETURN(cudaSetDevice(devices_[0]), fmt::format("cudaSetDevice({})", devices_[0]));
-    DSYNC_CUDA_RETURN(cudaMemcpyAsync(params[0], e.model.get(), e.n * sizeof(float),
-                                      cudaMemcpyHostToDevice, streams_[0]),
-                      "cudaMemcpyAsync of the pulled model to the root GPU");
+    // Every error return from here on drains the streams first: queued work may still read
+    // e.model (pinned) and write params.
+    DSYNC_RETURN_IF_ERROR(
+        Drained(CudaCheck(cudaMemcpyAsync(params[0], e.model.get(), e.n * sizeof(float),
+                                          cudaMemcpyHostToDevice, streams_[0]),
+                          "cudaMemcpyAsync of the pulled model to the root GPU")));
     // In place on the root (sendbuff == recvbuff); sendbuff is ignored elsewhere (NCCL API,
     // ncclBroadcast). Same stream as the copy above, so the broadcast reads the new model.
-    DSYNC_RETURN_IF_ERROR(Grouped("ncclBroadcast", [&](size_t d) {
+    DSYNC_RETURN_IF_ERROR(Drained(Grouped("ncclBroadcast", [&](size_t d) {
       return ncclBroadcast(params[d], params[d], e.n, ncclFloat32, /*root=*/0, comms_[d],
                            streams_[d]);
-    }));
+    })));
     return SyncAll("model broadcast");
   }
 

@@ -9,6 +9,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -166,6 +167,7 @@ struct Conn {
 
   std::atomic<ConnState> state{ConnState::kConnecting};
   std::atomic<bool> closing{false};  // Close() asked: deliver nothing more
+  bool graceful = false;             // Close(): let what was sent before it leave first
   bool notified = false;             // OnConnected ran (so OnDisconnected must)
   Status why;
 
@@ -399,7 +401,9 @@ class Rdma final : public RdmaTransport {
   }
 
   void Close(PeerId peer) override {
-    if (auto c = Find(peer)) RequestClose(c, Error(StatusCode::kAborted, "closed locally"));
+    if (auto c = Find(peer)) {
+      RequestClose(c, Error(StatusCode::kAborted, "closed locally"), /*graceful=*/true);
+    }
   }
 
   void Shutdown() override {
@@ -469,11 +473,12 @@ class Rdma final : public RdmaTransport {
   }
 
   // Close requests are carried out by the progress thread, which owns the teardown.
-  void RequestClose(const std::shared_ptr<Conn>& c, Status why = {}) {
+  void RequestClose(const std::shared_ptr<Conn>& c, Status why = {}, bool graceful = false) {
     c->closing.store(true);
     {
       std::lock_guard lock(mu_);
       if (c->why.ok() && !why.ok()) c->why = why;
+      if (graceful) c->graceful = true;
       close_requests_.push_back(c);
     }
     Wake();
@@ -734,6 +739,10 @@ class Rdma final : public RdmaTransport {
       for (auto& [id, c] : conns_) all.push_back(c);
     }
     for (rdma_cm_id* l : listeners) rdma_destroy_id(l);
+    // What was sent before Shutdown still leaves (TCP delivers what was written before a
+    // close): a scheduler's last kShutdown to its servers must arrive.
+    for (auto& c : all) c->closing.store(true);
+    DrainSends(all, SteadyClock::now() + std::chrono::seconds(2));
     for (auto& c : all) {
       Teardown(c, Error(StatusCode::kAborted, "transport shut down"));
     }
@@ -1029,6 +1038,37 @@ class Rdma final : public RdmaTransport {
     MaybeReturnCredits(c);
   }
 
+  // Polls the connections until their posted sends have completed (bounded): a frame sent
+  // just before a close or shutdown still reaches the peer.
+  void DrainSends(const std::vector<std::shared_ptr<Conn>>& cs, SteadyClock::time_point deadline) {
+    while (true) {
+      bool pending = false;
+      for (const auto& c : cs) {
+        if (c->state.load() != ConnState::kOpen) continue;
+        ibv_wc wc[32];
+        const int n = ibv_poll_cq(c->cq, 32, wc);
+        for (int i = 0; i < n && c->state.load() != ConnState::kClosed; ++i) {
+          HandleCompletion(c, wc[i]);
+        }
+        if (c->state.load() != ConnState::kOpen) continue;
+        std::lock_guard lock(c->mu);
+        pending = pending || !c->queue.empty() || c->rdv_used > 0 ||
+                  std::find(c->stage_busy.begin(), c->stage_busy.end(), 1) != c->stage_busy.end();
+      }
+      if (!pending || SteadyClock::now() >= deadline) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  // Handles every completion already in the connection's queue.
+  void DrainReceived(const std::shared_ptr<Conn>& c) {
+    ibv_wc wc[32];
+    int n;
+    while (c->state.load() == ConnState::kOpen && c->cq && (n = ibv_poll_cq(c->cq, 32, wc)) > 0) {
+      for (int i = 0; i < n && c->state.load() == ConnState::kOpen; ++i) HandleCompletion(c, wc[i]);
+    }
+  }
+
   bool HandleCloseRequests() {
     std::vector<std::shared_ptr<Conn>> reqs;
     {
@@ -1037,10 +1077,13 @@ class Rdma final : public RdmaTransport {
     }
     for (auto& c : reqs) {
       Status why;
+      bool graceful;
       {
         std::lock_guard lock(mu_);
         why = c->why;
+        graceful = c->graceful;
       }
+      if (graceful) DrainSends({c}, SteadyClock::now() + std::chrono::seconds(1));
       Teardown(c, why.ok() ? Error(StatusCode::kAborted, "closed locally") : why);
     }
     return !reqs.empty();
@@ -1235,6 +1278,9 @@ class Rdma final : public RdmaTransport {
                  true);
           break;
         case RDMA_CM_EVENT_DISCONNECTED:
+          // The peer's last frames arrived before its disconnect request: deliver them.
+          DrainReceived(conn);
+          [[fallthrough]];
         case RDMA_CM_EVENT_DEVICE_REMOVAL:
           Teardown(conn, Error(StatusCode::kUnavailable, "peer disconnected ({})",
                                rdma_event_str(type)));
