@@ -16,7 +16,7 @@ build=${DSYNC_BUILD_DIR:-build}
 # shared libraries). vm_commands: shell command lines run there, cwd = the repository root,
 # with DSYNC_RDMA_DEVICE, DSYNC_RXE_GID_INDEX, DSYNC_RXE_IP set (see scripts/rxe-vm.sh).
 vm_files=("$repo/tests/rxe" "$build/tests/transport_test" "$build/tests/rdma_cluster_test"
-          "$build/apps/dsyncps/dsyncps")
+          "$build/apps/dsyncps/dsyncps" "$repo/scripts/setup-rxe.sh" /usr/bin/bash)
 vm_commands=(
   "tests/rxe/smoke.sh"
   # The Transport conformance suite on real verbs (the TCP instances ran outside already).
@@ -25,6 +25,9 @@ vm_commands=(
   "$build/tests/rdma_cluster_test --gtest_brief=1"
   # The same as separate processes, launched by the dsyncps program.
   "$build/apps/dsyncps/dsyncps local --transport rdma --bind \$DSYNC_RXE_IP --servers 2 --workers 2 --model linreg --iters 40"
+  # Clear messages for the usual mistakes, and scripts/setup-rxe.sh (last: it takes the
+  # link down and up again).
+  "tests/rxe/diagnostics.sh $build/apps/dsyncps/dsyncps $repo"
 )
 # ---------------------------------------------------------------------------------------------
 
