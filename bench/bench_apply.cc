@@ -58,15 +58,12 @@ int Main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   QuietLogs();
 
-  std::vector<OptimizerKind> kinds;
-  for (const std::string& name : o.optimizers) {
-    auto k = ParseOptimizer(name);
-    if (!k.ok()) {
-      fmt::print(stderr, "{}\n", k.status().ToString());
-      return 2;
-    }
-    kinds.push_back(*k);
+  auto parsed = ParseOptimizers(o.optimizers);
+  if (!parsed.ok()) {
+    fmt::print(stderr, "{}\n", parsed.status().ToString());
+    return 2;
   }
+  const std::vector<OptimizerKind> kinds = *parsed;
   const uint64_t total_elems = o.total_mib * kMiB / sizeof(float);
   const uint32_t max_grads = o.grads.empty() ? 1 : *std::max_element(o.grads.begin(), o.grads.end());
 

@@ -114,15 +114,12 @@ int Main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   QuietLogs();
 
-  std::vector<OptimizerKind> kinds;
-  for (const std::string& name : o.optimizers) {
-    auto k = ParseOptimizer(name);
-    if (!k.ok()) {
-      fmt::print(stderr, "{}\n", k.status().ToString());
-      return 2;
-    }
-    kinds.push_back(*k);
+  auto parsed = ParseOptimizers(o.optimizers);
+  if (!parsed.ok()) {
+    fmt::print(stderr, "{}\n", parsed.status().ToString());
+    return 2;
   }
+  const std::vector<OptimizerKind> kinds = *parsed;
   for (uint64_t mib : o.slices_mib) {
     if (mib == 0) {
       fmt::print(stderr, "--slices-mib: sizes must be positive\n");

@@ -105,6 +105,16 @@ inline void FillPattern(float* p, size_t n, float scale, uint32_t seed) {
 // Keeps the compiler from dropping a computation whose result is otherwise unused.
 inline void DoNotOptimize(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
 
+// The optimizers named on a command line (--optimizers sgd,adam).
+inline Result<std::vector<OptimizerKind>> ParseOptimizers(const std::vector<std::string>& names) {
+  std::vector<OptimizerKind> kinds;
+  for (const std::string& name : names) {
+    DSYNC_ASSIGN_OR_RETURN(OptimizerKind k, ParseOptimizer(name));
+    kinds.push_back(k);
+  }
+  return kinds;
+}
+
 // --- in-process cluster ---------------------------------------------------------------
 
 inline Config BenchConfig(uint32_t servers, uint32_t workers) {

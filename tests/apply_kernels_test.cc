@@ -5,6 +5,8 @@
 // checks, where a device is visible, that the two paths agree bit for bit on the device too.
 #include <gtest/gtest.h>
 
+#include "random_inputs.h"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -62,17 +64,7 @@ ps::OptimizerScalars Scalars(uint32_t k) {
   return s;
 }
 
-std::vector<float> Random(size_t n, uint32_t seed, float lo, float hi) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) {
-    do {
-      x = d(rng);
-    } while (x == 0.0f);
-  }
-  return v;
-}
+using dsync::testing::Random;
 
 // Inputs for the largest size; smaller sizes use prefixes.
 struct Inputs {

@@ -4,6 +4,8 @@
 // parameterized over store factories so the CUDA store (issue 4) runs the same checks.
 #include <gtest/gtest.h>
 
+#include "random_inputs.h"
+
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -41,17 +43,7 @@ class StoreTest : public ::testing::TestWithParam<StoreCase> {
   std::unique_ptr<ParamStore> store_;
 };
 
-std::vector<float> Random(size_t n, uint32_t seed, float lo = -2.0f, float hi = 2.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> d(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) {
-    do {
-      x = d(rng);
-    } while (x == 0.0f);
-  }
-  return v;
-}
+using dsync::testing::Random;
 
 // Reference optimizer in double, written from the formulas, not from optimizer_math.h.
 struct Reference {

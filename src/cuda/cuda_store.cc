@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "cuda/apply_kernels.h"
+#include "cuda/cuda_util.h"
 #include "ps/optimizer.h"
 #include "ps/slice_table.h"
 #include "ps/trace.h"
@@ -17,29 +18,6 @@ namespace dsync::cuda {
 namespace {
 
 using ps::SliceKey;
-
-Status CudaError(cudaError_t err, std::string_view what) {
-  return Error(StatusCode::kUnavailable, "{}: {} ({})", what, cudaGetErrorString(err),
-               cudaGetErrorName(err));
-}
-
-#define DSYNC_CUDA_RETURN(call, what)                           \
-  do {                                                          \
-    if (cudaError_t err_ = (call); err_ != cudaSuccess) {       \
-      return CudaError(err_, what);                             \
-    }                                                           \
-  } while (0)
-
-struct DeviceFree {
-  void operator()(float* p) const { (void)cudaFree(p); }
-};
-using DeviceBuffer = std::unique_ptr<float, DeviceFree>;
-
-Result<DeviceBuffer> DeviceAlloc(uint64_t n, std::string_view what) {
-  void* p = nullptr;
-  DSYNC_CUDA_RETURN(cudaMalloc(&p, std::max<uint64_t>(n, 1) * sizeof(float)), what);
-  return DeviceBuffer(static_cast<float*>(p));
-}
 
 Update UpdateOf(OptimizerKind kind) {
   switch (kind) {

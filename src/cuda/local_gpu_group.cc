@@ -5,6 +5,8 @@
 // GPUs From One Thread"; otherwise the first call may block waiting for the other ranks).
 #include "dsync/local_gpus.h"
 
+#include "cuda/cuda_util.h"
+
 #include <cuda_runtime_api.h>
 #include <fmt/ranges.h>
 #include <nccl.h>
@@ -27,21 +29,11 @@
 namespace dsync {
 namespace {
 
-Status CudaError(cudaError_t err, std::string_view what) {
-  return Error(StatusCode::kUnavailable, "{}: {} ({})", what, cudaGetErrorString(err),
-               cudaGetErrorName(err));
-}
-
-Status CudaCheck(cudaError_t err, std::string_view what) {
-  return err == cudaSuccess ? Status::Ok() : CudaError(err, what);
-}
-
-#define DSYNC_CUDA_RETURN(call, what)                     \
-  do {                                                    \
-    if (cudaError_t err_ = (call); err_ != cudaSuccess) { \
-      return CudaError(err_, what);                       \
-    }                                                     \
-  } while (0)
+using cuda::CudaCheck;
+using cuda::CudaError;
+using cuda::DeviceBuffer;
+using cuda::PinnedAlloc;
+using cuda::PinnedBuffer;
 
 Status NcclError(ncclResult_t r, std::string_view what) {
   const StatusCode code = r == ncclInvalidArgument || r == ncclInvalidUsage
@@ -104,24 +96,6 @@ class NvtxRange {
   nvtxDomainHandle_t domain_ = nullptr;
 #endif
 };
-
-struct PinnedFree {
-  void operator()(float* p) const { (void)cudaFreeHost(p); }
-};
-using PinnedBuffer = std::unique_ptr<float, PinnedFree>;
-
-struct DeviceFree {
-  void operator()(float* p) const { (void)cudaFree(p); }
-};
-using DeviceBuffer = std::unique_ptr<float, DeviceFree>;
-
-// Pinned, so the device copies run asynchronously at full speed (CUDA C++ Programming Guide,
-// "Page-Locked Host Memory").
-Result<PinnedBuffer> PinnedAlloc(uint64_t n, std::string_view what) {
-  void* p = nullptr;
-  DSYNC_CUDA_RETURN(cudaMallocHost(&p, std::max<uint64_t>(n, 1) * sizeof(float)), what);
-  return PinnedBuffer(static_cast<float*>(p));
-}
 
 std::string_view MemoryTypeName(cudaMemoryType type) {
   switch (type) {

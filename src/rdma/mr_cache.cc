@@ -28,6 +28,11 @@ std::string RegistrationError(int err, size_t bytes) {
 MrCache::MrCache(ibv_pd* pd, int access)
     : pd_(pd), access_(access), page_(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))) {}
 
+std::pair<uintptr_t, uintptr_t> MrCache::Pages(const void* addr, size_t len) const {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  return {a & ~(page_ - 1), (a + (len ? len : 1) + page_ - 1) & ~(page_ - 1)};
+}
+
 MrCache::~MrCache() {
   std::lock_guard lock(mu_);
   for (Entry& e : entries_) {
@@ -52,9 +57,7 @@ void MrCache::DropLocked(std::list<Entry>::iterator it) {
 }
 
 Result<MrCache::Ref> MrCache::Acquire(const void* addr, size_t len) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  const uintptr_t begin = a & ~(page_ - 1);
-  const uintptr_t end = (a + (len ? len : 1) + page_ - 1) & ~(page_ - 1);
+  const auto [begin, end] = Pages(addr, len);
   std::lock_guard lock(mu_);
   for (Entry& e : entries_) {
     if (e.valid && e.begin <= begin && end <= e.end) {
@@ -84,9 +87,7 @@ void MrCache::Release(const Ref& ref) {
 }
 
 Status MrCache::Pin(const void* addr, size_t len) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  const uintptr_t begin = a & ~(page_ - 1);
-  const uintptr_t end = (a + (len ? len : 1) + page_ - 1) & ~(page_ - 1);
+  const auto [begin, end] = Pages(addr, len);
   std::lock_guard lock(mu_);
   for (Entry& e : entries_) {
     if (e.valid && e.begin <= begin && end <= e.end) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <list>
 #include <mutex>
+#include <utility>
 
 #include "dsync/status.h"
 
@@ -65,6 +66,8 @@ class MrCache {
   };
 
  private:
+  // The page-aligned [begin, end) holding [addr, addr + len).
+  std::pair<uintptr_t, uintptr_t> Pages(const void* addr, size_t len) const;
   Result<Entry*> RegisterLocked(uintptr_t begin, uintptr_t end, bool pinned);
   void DropLocked(std::list<Entry>::iterator it);
 
