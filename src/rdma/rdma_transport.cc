@@ -709,7 +709,12 @@ class Rdma final : public RdmaTransport {
         last_busy = now;
         continue;
       }
-      if (now - last_busy < options_.spin) continue;
+      if (now - last_busy < options_.spin) {
+        // Spin politely: on a machine with fewer cores than busy threads (several nodes in
+        // one process, a VM) a hard spin would starve the very peer we wait for.
+        std::this_thread::yield();
+        continue;
+      }
       // Arm every CQ, look once more (a completion may have raced the arming), then sleep
       // until the completion channel, the CM channel or a local request wakes us.
       ArmCqs();
