@@ -23,8 +23,11 @@ for p in "${packages[@]}"; do
 done
 # scripts/rxe-vm.sh fetches Debian's kernel with apt-get download: apt's package lists must
 # know linux-image-amd64 (container images often come without lists).
+# DSYNC_SKIP_RDMA_VM=1 (no VM wanted, e.g. an offline GPU machine): no need for them.
 lists_ok=1
-apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=0
+if [ "${DSYNC_SKIP_RDMA_VM:-0}" != 1 ]; then
+  apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=0
+fi
 if [ ${#missing[@]} -eq 0 ] && [ $lists_ok -eq 1 ]; then
   exit 0
 fi
