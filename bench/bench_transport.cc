@@ -144,8 +144,9 @@ Result<double> BandwidthMiBs(const Options& o, uint64_t bytes) {
   return static_cast<double>(frames * bytes) / s / static_cast<double>(kMiB);
 }
 
-// Median PushPull iteration of one worker against one server, in seconds.
-Result<double> PsIteration(const Options& o, uint64_t bytes) {
+// Median PushPull iteration of one worker against one server, in seconds. `pin`: the worker
+// registers its buffers (Worker::RegisterBuffer), as a training loop would.
+Result<double> PsIteration(const Options& o, uint64_t bytes, bool pin) {
   Config cfg = BenchConfig(1, 1);
   cfg.transport = o.transport;
   cfg.bind_host = o.host;
@@ -157,6 +158,10 @@ Result<double> PsIteration(const Options& o, uint64_t bytes) {
   const size_t n = std::max<size_t>(1, bytes / sizeof(float));
   FloatBuffer params(n, 0.5f), grad(n, 0.001f);
   DSYNC_ASSIGN_OR_RETURN(TensorId t, worker->Register("w", {params.data(), n}));
+  if (pin) {
+    DSYNC_RETURN_IF_ERROR(worker->RegisterBuffer(params.data(), params.bytes()));
+    DSYNC_RETURN_IF_ERROR(worker->RegisterBuffer(grad.data(), grad.bytes()));
+  }
   DSYNC_RETURN_IF_ERROR(worker->Wait(worker->Pull(t, params.data())));
   std::vector<double> iters;
   for (int i = 0; i < o.ps_iters + 10; ++i) {
@@ -165,6 +170,10 @@ Result<double> PsIteration(const Options& o, uint64_t bytes) {
     if (i >= 10) iters.push_back(Seconds(t0, SteadyClock::now()));
   }
   DSYNC_RETURN_IF_ERROR(worker->Leave());
+  if (pin) {
+    worker->UnregisterBuffer(params.data(), params.bytes());
+    worker->UnregisterBuffer(grad.data(), grad.bytes());
+  }
   DSYNC_RETURN_IF_ERROR(cluster->WaitFinished(std::chrono::seconds(30)));
   return Median(iters);
 }
@@ -205,18 +214,22 @@ int Main(int argc, char** argv) {
     std::printf("METRIC bw_mibs_%llu %.3f\n", static_cast<unsigned long long>(kib), *bw);
   }
   for (uint64_t kib : o.ps_kib) {
-    auto it = PsIteration(o, kib * 1024);
-    if (!it.ok()) {
-      std::fprintf(stderr, "bench_transport: %s\n", it.status().ToString().c_str());
-      return 1;
+    for (bool pin : {false, true}) {
+      auto it = PsIteration(o, kib * 1024, pin);
+      if (!it.ok()) {
+        std::fprintf(stderr, "bench_transport: %s\n", it.status().ToString().c_str());
+        return 1;
+      }
+      const double mibs = 2.0 * static_cast<double>(kib * 1024) / *it / static_cast<double>(kMiB);
+      std::printf("%-34s %9.1f us  %9.1f MiB/s\n",
+                  fmt::format("PS push+pull, {} KiB tensor{}", kib, pin ? ", registered" : "")
+                      .c_str(),
+                  *it * 1e6, mibs);
+      const std::string key = std::to_string(kib) + (pin ? "_registered" : "");
+      result["ps"][key] = {{"iteration_us", *it * 1e6}, {"mibs", mibs}};
+      std::printf("METRIC ps_us_%s %.3f\nMETRIC ps_mibs_%s %.3f\n", key.c_str(), *it * 1e6,
+                  key.c_str(), mibs);
     }
-    const double mibs = 2.0 * static_cast<double>(kib * 1024) / *it / static_cast<double>(kMiB);
-    std::printf("%-34s %9.1f us  %9.1f MiB/s\n",
-                fmt::format("PS push+pull, {} KiB tensor", kib).c_str(), *it * 1e6, mibs);
-    result["ps"][std::to_string(kib)] = {{"iteration_us", *it * 1e6}, {"mibs", mibs}};
-    std::printf("METRIC ps_us_%llu %.3f\nMETRIC ps_mibs_%llu %.3f\n",
-                static_cast<unsigned long long>(kib), *it * 1e6,
-                static_cast<unsigned long long>(kib), mibs);
   }
   std::printf("RESULT %s\n", result.dump().c_str());
   return 0;

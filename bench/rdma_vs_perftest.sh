@@ -49,7 +49,7 @@ echo "=== dsyncps over rxe beside perftest on rxe0 (same VM boot; perftest MB = 
 awk -v lat="$lat" -v bw64="$bw64" -v bw4m="$bw4m" \
     -v rl="$(m rdma latency_us)" -v r64="$(m rdma bw_mibs_64)" -v r4m="$(m rdma bw_mibs_4096)" \
     -v tl="$(m tcp latency_us)" -v t64="$(m tcp bw_mibs_64)" -v t4m="$(m tcp bw_mibs_4096)" \
-    -v p4="$(m rdma ps_us_4)" -v pb="$(m rdma ps_mibs_4096)" \
+    -v p4="$(m rdma ps_us_4)" -v pb="$(m rdma ps_mibs_4096)" -v pr="$(m rdma ps_mibs_4096_registered)" \
     -v q4="$(m tcp ps_us_4)" -v qb="$(m tcp ps_mibs_4096)" 'BEGIN {
   printf "%-38s %12s %12s %12s %10s\n", "measure", "perftest", "dsync rdma", "dsync tcp", "rdma/perf"
   printf "%-38s %9.2f us %9.2f us %9.2f us %10.2f\n", "one-way latency (2 B)", lat, rl, tl, rl / lat
@@ -57,7 +57,8 @@ awk -v lat="$lat" -v bw64="$bw64" -v bw4m="$bw4m" \
   printf "%-38s %7.1f MB/s %7.1f MB/s %7.1f MB/s %10.2f\n", "bandwidth, 4 MiB messages", bw4m, r4m, t4m, r4m / bw4m
   printf "%-38s %12s %9.1f us %9.1f us %10.2f\n", "PS push+pull, 4 KiB tensor (iteration)", "-", p4, q4, p4 / (2 * lat)
   printf "%-38s %12s %7.1f MB/s %7.1f MB/s %10.2f\n", "PS push+pull, 4 MiB tensor", "-", pb, qb, pb / bw4m
-  printf "RESULT {\"bench\":\"rdma_vs_perftest\",\"perftest_lat_us\":%s,\"perftest_bw64_mbs\":%s,\"perftest_bw4m_mbs\":%s,\"rdma_lat_us\":%s,\"rdma_bw64_mibs\":%s,\"rdma_bw4m_mibs\":%s,\"tcp_lat_us\":%s,\"tcp_bw64_mibs\":%s,\"tcp_bw4m_mibs\":%s,\"rdma_ps4k_us\":%s,\"rdma_ps4m_mibs\":%s,\"tcp_ps4k_us\":%s,\"tcp_ps4m_mibs\":%s}\n", lat, bw64, bw4m, rl, r64, r4m, tl, t64, t4m, p4, pb, q4, qb
+  printf "%-38s %12s %7.1f MB/s %12s %10.2f\n", "  the same, Worker::RegisterBuffer", "-", pr, "-", pr / bw4m
+  printf "RESULT {\"bench\":\"rdma_vs_perftest\",\"perftest_lat_us\":%s,\"perftest_bw64_mbs\":%s,\"perftest_bw4m_mbs\":%s,\"rdma_lat_us\":%s,\"rdma_bw64_mibs\":%s,\"rdma_bw4m_mibs\":%s,\"tcp_lat_us\":%s,\"tcp_bw64_mibs\":%s,\"tcp_bw4m_mibs\":%s,\"rdma_ps4k_us\":%s,\"rdma_ps4m_mibs\":%s,\"rdma_ps4m_registered_mibs\":%s,\"tcp_ps4k_us\":%s,\"tcp_ps4m_mibs\":%s}\n", lat, bw64, bw4m, rl, r64, r4m, tl, t64, t4m, p4, pb, pr, q4, qb
 }'
 INSIDE
 chmod +x "$tmp/inside.sh"

@@ -51,6 +51,22 @@ Result<MlpTrainReport> TrainMlp(Worker& worker, const Dataset& train, const Data
     gptr.push_back(grads[i].data());
     gconst.push_back(grads[i].data());
   }
+  // Pulled into and pushed from every iteration: registered once (RDMA; nothing over TCP),
+  // and unregistered before the vectors are freed, on every way out.
+  struct Registered {
+    Worker& w;
+    std::vector<std::span<const float>> bufs;
+    ~Registered() {
+      for (auto b : bufs) w.UnregisterBuffer(b.data(), b.size_bytes());
+    }
+  } registered{worker, {}};
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (const std::vector<float>* v : {&params[i], &grads[i]}) {
+      if (worker.RegisterBuffer(v->data(), v->size() * sizeof(float)).ok()) {
+        registered.bufs.emplace_back(v->data(), v->size());
+      }
+    }
+  }
 
   // This worker's shard, visited in a shuffled order that changes every epoch.
   std::vector<uint32_t> shard;

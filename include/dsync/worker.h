@@ -79,6 +79,13 @@ class Worker {
   virtual Status Leave() = 0;
   // Drops every connection without telling anyone, as a crash would (for tests).
   virtual void Abandon() = 0;
+
+  // Optional, for speed over RDMA: memory this worker pushes from or pulls into every
+  // iteration (its parameter and gradient buffers). The RDMA transport then registers it
+  // with the device once instead of for every operation. Call UnregisterBuffer before the
+  // memory is freed. Over TCP both do nothing.
+  virtual Status RegisterBuffer(const void* ptr, size_t bytes) = 0;
+  virtual void UnregisterBuffer(const void* ptr, size_t bytes) = 0;
 };
 
 }  // namespace dsync

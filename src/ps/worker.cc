@@ -229,6 +229,13 @@ class WorkerNode final : public Worker, public TransportHandler {
     return result;
   }
 
+  Status RegisterBuffer(const void* ptr, size_t bytes) override {
+    return transport_->RegisterMemory(ptr, bytes);
+  }
+  void UnregisterBuffer(const void* ptr, size_t bytes) override {
+    transport_->ForgetMemory(ptr, bytes);
+  }
+
   void Abandon() override {
     {
       std::lock_guard lock(mu_);
