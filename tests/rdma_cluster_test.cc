@@ -8,6 +8,7 @@
 
 #include "cluster_harness.h"
 #include "rdma/rdma_device.h"
+#include "rdma/rdma_transport.h"
 
 namespace dsync::testing {
 namespace {
@@ -123,6 +124,42 @@ TEST(RdmaCluster, AServerOnLoopbackIsRefusedWithTheAddressToUse) {
   auto c = InProcessCluster::Start(cfg);  // binds 127.0.0.1, which no RDMA device has
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find(dev->ipv4), std::string::npos) << c.status().message();
+}
+
+// GPUDirect RDMA needs the NIC's kernel driver to import dma-bufs. Soft-RoCE's cannot: the
+// transport must say so (a server with --gpudirect auto then logs it and stages through
+// pinned host memory, as every job above does), and a GPU that cannot export is reported
+// before the NIC is asked.
+class NoGpuMemory final : public ps::DeviceMemory {
+ public:
+  std::string unsupported;
+  bool Contains(const void*, size_t) const override { return false; }
+  Result<int> ExportDmaBuf(const void*, size_t) const override {
+    return Error(StatusCode::kUnimplemented, "no GPU");
+  }
+  std::string DmaBufUnsupported() const override { return unsupported; }
+};
+
+TEST(RdmaGpuDirect, ADeviceWithoutDmaBufSaysItCannotRegisterGpuMemory) {
+  auto dev = rdma::ChooseDevice({});
+  if (!dev.ok()) GTEST_SKIP() << dev.status().message();
+  auto t = rdma::MakeRdmaTransport({});
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  NoGpuMemory memory;
+  memory.unsupported = "GPU 0 cannot export its memory as a dma-buf (test)";
+  auto r = (*t)->EnableDeviceMemory(&memory);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), memory.unsupported);
+  memory.unsupported.clear();
+  r = (*t)->EnableDeviceMemory(&memory);
+  if (dev->device.rfind("rxe", 0) != 0 && r.ok()) {
+    GTEST_SKIP() << dev->device << " supports dma-buf registration";
+  }
+  ASSERT_FALSE(r.ok()) << dev->device << " should not support dma-buf";
+  EXPECT_NE(r.status().message().find("RDMA device " + dev->device + " cannot register GPU memory"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("ibv_reg_dmabuf_mr"), std::string::npos);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "random_inputs.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -16,6 +17,9 @@
 
 #include "cpu/cpu_store.h"
 #if DSYNC_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
 #include "cuda/cuda_store.h"
 #endif
 #include "ps/backends.h"
@@ -227,6 +231,66 @@ TEST_P(StoreTest, RoundsOnDifferentSlicesRunFromSeveralThreadsAtOnce) {
       ASSERT_NEAR(out[i], refs[t].w[i], 1e-5 * std::max(1.0, std::abs(refs[t].w[i])));
     }
   }
+}
+
+// GPUDirect RDMA: payloads the NIC wrote into AllocateDevice memory are initial values and
+// gradients like host ones, and a pull can be read into that memory; the results equal the
+// host path's bit for bit. A store without device memory says so with nullptr.
+TEST_P(StoreTest, DeviceBuffersServeAsGradientsInitialValuesAndReadTargets) {
+  const DeviceMemory* memory = store_->device_memory();
+  if (!memory) {
+    EXPECT_EQ(store_->AllocateDevice(4096), nullptr);
+    return;
+  }
+#if DSYNC_HAVE_CUDA
+  constexpr size_t n = 10007;
+  const size_t bytes = n * sizeof(float);
+  const std::vector<float> init = Random(n, 5);
+  const std::vector<std::vector<float>> grads = {Random(n, 6), Random(n, 7)};
+  float* dinit = static_cast<float*>(store_->AllocateDevice(bytes));
+  float* dg0 = static_cast<float*>(store_->AllocateDevice(bytes));
+  float* dg1 = static_cast<float*>(store_->AllocateDevice(bytes));
+  float* dout = static_cast<float*>(store_->AllocateDevice(bytes));
+  ASSERT_TRUE(dinit && dg0 && dg1 && dout);
+  EXPECT_TRUE(memory->Contains(dg0, bytes));
+  EXPECT_FALSE(memory->Contains(init.data(), bytes));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(dg0) % 4096, 0u) << "dma-buf ranges are page aligned";
+  ASSERT_EQ(cudaMemcpy(dinit, init.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dg0, grads[0].data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dg1, grads[1].data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  const OptimizerConfig opt = Optimizer(OptimizerKind::kAdam);
+  const SliceKey host_key = MakeSliceKey(11, 0), device_key = MakeSliceKey(11, 1);
+  ASSERT_TRUE(store_->InitSlice(host_key, init).ok());
+  ASSERT_TRUE(store_->InitSlice(device_key, {dinit, n}).ok());
+  const float* host_ptrs[] = {grads[0].data(), grads[1].data()};
+  const float* device_ptrs[] = {dg0, dg1};
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_TRUE(store_->ApplyRound(host_key, host_ptrs, opt).ok());
+    ASSERT_TRUE(store_->ApplyRound(device_key, device_ptrs, opt).ok());
+  }
+  std::vector<float> from_host(n, std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> from_device(n, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_EQ(cudaMemset(dout, 0xff, bytes), cudaSuccess);  // NaN: unwritten elements show
+  ASSERT_TRUE(store_->Read(host_key, from_host).ok());
+  ASSERT_TRUE(store_->Read(device_key, {dout, n}).ok());
+  ASSERT_EQ(cudaMemcpy(from_device.data(), dout, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(0, std::memcmp(from_host.data(), from_device.data(), bytes));
+  EXPECT_NE(from_host[0], init[0]);
+  // dma-buf export works where the GPU supports it, and otherwise says why.
+  auto fd = memory->ExportDmaBuf(dg0, (bytes + 4095) / 4096 * 4096);
+  if (memory->DmaBufUnsupported().empty()) {
+    ASSERT_TRUE(fd.ok()) << fd.status().ToString();
+    EXPECT_GE(*fd, 0);
+    close(*fd);
+  } else {
+    ASSERT_FALSE(fd.ok());
+    EXPECT_EQ(fd.status().message(), memory->DmaBufUnsupported());
+  }
+  for (float* p : {dinit, dg0, dg1, dout}) store_->FreeDevice(p, bytes);
+  EXPECT_FALSE(memory->Contains(dg0, bytes));
+#else
+  FAIL() << "a store with device memory in a build without CUDA";
+#endif
 }
 
 std::vector<StoreCase> Stores() {

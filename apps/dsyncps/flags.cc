@@ -37,6 +37,10 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
   app.add_option("--store", c.store,
                  "parameter store: cpu | cuda | auto (the GPU when one is visible) (DSYNC_STORE)")
       ->capture_default_str();
+  app.add_option("--gpudirect", c.gpudirect,
+                 "servers: NIC reads/writes GPU memory directly (GPUDirect RDMA over dma-buf): "
+                 "auto | on (fail if impossible) | off (DSYNC_GPUDIRECT)")
+      ->capture_default_str();
   app.add_option("--log-level", text.log_level, "trace|debug|info|warn|error")
       ->capture_default_str();
 }

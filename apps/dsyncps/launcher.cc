@@ -221,6 +221,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
       {"DSYNC_CONNECT_TIMEOUT_MS", std::to_string(job.connect_timeout_ms)},
       {"DSYNC_TRANSPORT", job.transport},
       {"DSYNC_STORE", job.store},
+      {"DSYNC_GPUDIRECT", job.gpudirect},
       {"DSYNC_PORT", "0"},
   };
   if (!job.rdma_device.empty()) env["DSYNC_RDMA_DEVICE"] = job.rdma_device;

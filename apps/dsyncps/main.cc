@@ -155,6 +155,9 @@ int main(int argc, char** argv) {
     sub->add_option("--bind", main_config.bind_host,
                     "address every process listens on (rdma: the RDMA netdev's IP)")
         ->capture_default_str();
+    sub->add_option("--gpudirect", main_config.gpudirect,
+                    "servers' GPUDirect RDMA (cuda store over rdma): auto | on | off")
+        ->capture_default_str();
     sub->add_option("--rdma-device", main_config.rdma_device, "RDMA device (default: the first usable)");
     sub->add_option("--gid-index", main_config.gid_index, "GID index (default: the RoCE v2 IPv4 GID)");
   }

@@ -111,6 +111,11 @@ struct Config {
   std::string rdma_device;  // RDMA device to use (empty: the first with a usable port)
   int gid_index = -1;       // GID index (-1: the RoCE v2 IPv4-mapped GID of its netdev)
   std::string store = "cpu";      // cpu | cuda | auto (cuda when a GPU is visible)
+  // Servers: GPUDirect RDMA, the NIC reading and writing the CUDA store's memory directly.
+  // auto: where the RDMA device and the GPU driver both support dma-buf, else staged through
+  // pinned host memory (said once in the log) | on: a server that cannot do it fails to
+  // start, saying why | off: always staged.
+  std::string gpudirect = "auto";
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).
   std::string audit_log;

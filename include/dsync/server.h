@@ -20,6 +20,7 @@ struct ServerStats {
   uint64_t connections_dropped = 0;
   uint64_t slices = 0;
   uint64_t staging_buffers = 0;   // receive buffers the pool has ever created
+  uint64_t device_buffers = 0;    // of those, in GPU memory (GPUDirect RDMA)
 };
 
 class Server {

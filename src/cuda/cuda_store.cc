@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "cuda/apply_kernels.h"
+#include "cuda/cuda_device_memory.h"
 #include "cuda/cuda_util.h"
 #include "ps/optimizer.h"
 #include "ps/slice_table.h"
@@ -53,7 +54,7 @@ class CudaStore final : public ps::ParamStore {
  public:
   // The device current at creation holds every slice; each entry point selects it, since a
   // calling thread may have another device current (a worker's GPUs, NCCL).
-  explicit CudaStore(int device) : device_(device) {}
+  explicit CudaStore(int device) : device_(device), device_memory_(device) {}
 
   std::string_view name() const override { return "cuda"; }
 
@@ -67,6 +68,22 @@ class CudaStore final : public ps::ParamStore {
   }
   void FreeHost(void* ptr, size_t /*bytes*/) override { (void)cudaFreeHost(ptr); }
 
+  // GPUDirect RDMA: buffers the NIC fills and reads directly. Every copy below uses
+  // cudaMemcpyDefault (unified addressing tells host from device), so a gradient, initial
+  // value or pull destination may be either kind.
+  void* AllocateDevice(size_t bytes) override {
+    if (cudaSetDevice(device_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return device_memory_.Allocate(bytes);
+  }
+  void FreeDevice(void* ptr, size_t /*bytes*/) override {
+    (void)cudaSetDevice(device_);
+    device_memory_.Free(ptr);
+  }
+  const ps::DeviceMemory* device_memory() const override { return &device_memory_; }
+
   Status InitSlice(SliceKey key, std::span<const float> init) override {
     if (HasSlice(key)) {  // before allocating and copying a whole slice for nothing
       return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
@@ -75,8 +92,11 @@ class CudaStore final : public ps::ParamStore {
     auto slice = std::make_unique<Slice>();
     slice->n = init.size();
     DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(init.size(), "allocating a slice"));
+    if (device_memory_.Contains(init.data(), init.size_bytes())) {
+      DSYNC_RETURN_IF_ERROR(device_memory_.FlushRemoteWrites());
+    }
     DSYNC_CUDA_RETURN(cudaMemcpyAsync(slice->params.get(), init.data(), init.size_bytes(),
-                                      cudaMemcpyHostToDevice, lane->stream),
+                                      cudaMemcpyDefault, lane->stream),
                       "copying a slice's initial values");
     DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "initializing a slice");
     return slices_.Insert(key, std::move(slice));
@@ -91,6 +111,12 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
     DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    for (const float* g : grads) {
+      if (device_memory_.Contains(g, s->n * sizeof(float))) {  // written by the NIC
+        DSYNC_RETURN_IF_ERROR(device_memory_.FlushRemoteWrites());
+        break;
+      }
+    }
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
       if (!s->state[i]) {
@@ -133,7 +159,7 @@ class CudaStore final : public ps::ParamStore {
       }
       for (size_t j = 0; j < grads.size(); ++j) {
         DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + j * stride, grads[j],
-                                          s->n * sizeof(float), cudaMemcpyHostToDevice,
+                                          s->n * sizeof(float), cudaMemcpyDefault,
                                           lane->stream),
                           "copying a gradient to the device");
       }
@@ -155,7 +181,7 @@ class CudaStore final : public ps::ParamStore {
     trace::Scoped range(trace::Range::kStoreRead);
     DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
     const cudaError_t copied = cudaMemcpyAsync(out.data(), s->params.get(),
-                                               s->n * sizeof(float), cudaMemcpyDeviceToHost,
+                                               s->n * sizeof(float), cudaMemcpyDefault,
                                                lane->stream);
     const cudaError_t synced = cudaStreamSynchronize(lane->stream);  // even if the copy failed
     DSYNC_CUDA_RETURN(copied, "reading a slice back");
@@ -182,6 +208,7 @@ class CudaStore final : public ps::ParamStore {
   }
 
   const int device_;
+  CudaDeviceMemory device_memory_;
   ps::SliceTable<Slice> slices_;
   mutable std::mutex lanes_mu_;
   mutable std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;

@@ -9,11 +9,23 @@ size_t BufferPool::ClassOf(size_t bytes) {
   return c < kMinClass ? kMinClass : c;
 }
 
+void* BufferPool::Allocate(size_t bytes) {
+  return memory_ == Memory::kDevice ? store_->AllocateDevice(bytes) : store_->AllocateHost(bytes);
+}
+
+void BufferPool::Free(void* p, size_t bytes) {
+  if (memory_ == Memory::kDevice) {
+    store_->FreeDevice(p, bytes);
+  } else {
+    store_->FreeHost(p, bytes);
+  }
+}
+
 BufferPool::~BufferPool() {
   for (size_t c = 0; c < kClasses; ++c) {
     for (void* p : free_[c]) {
       if (transport_) transport_->ForgetMemory(p, size_t{1} << c);
-      store_->FreeHost(p, size_t{1} << c);
+      Free(p, size_t{1} << c);
     }
   }
 }
@@ -30,8 +42,16 @@ void* BufferPool::Acquire(size_t bytes) {
     }
     ++created_;
   }
-  void* p = store_->AllocateHost(size_t{1} << c);
-  if (p && transport_) (void)transport_->RegisterMemory(p, size_t{1} << c);
+  void* p = Allocate(size_t{1} << c);
+  if (p && transport_) {
+    // Host memory the transport failed to register still works (registered per message);
+    // device memory it cannot register is of no use to it.
+    if (!transport_->RegisterMemory(p, size_t{1} << c).ok() && memory_ == Memory::kDevice) {
+      transport_->ForgetMemory(p, size_t{1} << c);
+      Free(p, size_t{1} << c);
+      return nullptr;
+    }
+  }
   return p;
 }
 

@@ -17,14 +17,18 @@ namespace dsync::ps {
 
 class BufferPool {
  public:
+  enum class Memory { kHost, kDevice };  // the store's AllocateHost or AllocateDevice
+
   // With a transport, every buffer is registered with it once, when created (RDMA).
-  explicit BufferPool(ParamStore* store, Transport* transport = nullptr)
-      : store_(store), transport_(transport) {}
+  explicit BufferPool(ParamStore* store, Transport* transport = nullptr,
+                      Memory memory = Memory::kHost)
+      : store_(store), transport_(transport), memory_(memory) {}
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
 
-  // A buffer of at least `bytes`, or nullptr when memory is exhausted.
+  // A buffer of at least `bytes`, or nullptr when memory is exhausted (or, for device
+  // memory, when the transport cannot register it).
   void* Acquire(size_t bytes);
   void Release(void* buffer, size_t bytes);
 
@@ -34,9 +38,12 @@ class BufferPool {
   static constexpr size_t kMinClass = 12;  // 4 KiB
   static constexpr size_t kClasses = 40;
   static size_t ClassOf(size_t bytes);
+  void* Allocate(size_t bytes);
+  void Free(void* p, size_t bytes);
 
   ParamStore* store_;
   Transport* transport_;
+  Memory memory_;
   mutable std::mutex mu_;
   std::array<std::vector<void*>, kClasses> free_;
   uint64_t created_ = 0;

@@ -223,6 +223,7 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     c.gid_index = static_cast<int>(gid);
   }
   if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
+  if (const std::string* v = get({"DSYNC_GPUDIRECT"})) c.gpudirect = *v;
   // Under srun or mpirun every task gets a rank: with no explicit role, rank 0 is the
   // scheduler, the next num_servers ranks are servers and the rest workers.
   const std::string* rank = get({"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
@@ -291,6 +292,10 @@ Status Config::Validate() const {
   if (store != "cpu" && store != "cuda" && store != "auto") {
     return Error(StatusCode::kInvalidArgument,
                  "parameter store '{}' is not one of cpu, cuda, auto", store);
+  }
+  if (gpudirect != "auto" && gpudirect != "on" && gpudirect != "off") {
+    return Error(StatusCode::kInvalidArgument, "gpudirect '{}' is not one of auto, on, off",
+                 gpudirect);
   }
   if (!(optimizer.lr >= 0.0f)) {
     return Error(StatusCode::kInvalidArgument, "learning rate {} must be >= 0", optimizer.lr);

@@ -13,6 +13,7 @@
 
 #include "dsync/config.h"
 #include "dsync/status.h"
+#include "ps/device_memory.h"
 
 namespace dsync::ps {
 
@@ -31,6 +32,14 @@ class ParamStore {
   virtual void* AllocateHost(size_t bytes) = 0;
   virtual void FreeHost(void* ptr, size_t bytes) = 0;
 
+  // GPUDirect RDMA: device memory that payloads can be received into and pulls sent from
+  // directly by the NIC (see ps/device_memory.h). ApplyRound, InitSlice and Read accept it
+  // wherever they accept host memory from AllocateHost. A store without device memory (the
+  // CPU store) returns nullptr and no DeviceMemory.
+  virtual void* AllocateDevice(size_t /*bytes*/) { return nullptr; }
+  virtual void FreeDevice(void* /*ptr*/, size_t /*bytes*/) {}
+  virtual const DeviceMemory* device_memory() const { return nullptr; }
+
   // Creates a float32 slice holding `init`; optimizer state starts at zero.
   virtual Status InitSlice(SliceKey key, std::span<const float> init) = 0;
   virtual bool HasSlice(SliceKey key) const = 0;
@@ -43,7 +52,8 @@ class ParamStore {
   virtual Status ApplyRound(SliceKey key, std::span<const float* const> grads,
                             const OptimizerConfig& optimizer) = 0;
 
-  // Copies the slice's parameters into `out` (host memory of SliceElements(key) floats).
+  // Copies the slice's parameters into `out` (SliceElements(key) floats of host memory, or of
+  // AllocateDevice memory).
   virtual Status Read(SliceKey key, std::span<float> out) const = 0;
 };
 

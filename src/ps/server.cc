@@ -24,6 +24,7 @@
 #include "ps/backends.h"
 #include "ps/buffer_pool.h"
 #include "ps/handshake.h"
+#include "ps/server_node.h"
 #include "ps/trace.h"
 
 namespace dsync {
@@ -35,7 +36,8 @@ class ServerNode final : public Server, public TransportHandler {
   ServerNode(const Config& config, std::unique_ptr<Transport> transport,
              std::unique_ptr<ParamStore> store)
       : cfg_(config), transport_(std::move(transport)), store_(std::move(store)),
-        pool_(store_.get(), transport_.get()) {}
+        pool_(store_.get(), transport_.get()),
+        device_pool_(store_.get(), transport_.get(), BufferPool::Memory::kDevice) {}
 
   ~ServerNode() override {
     Stop();
@@ -46,6 +48,7 @@ class ServerNode final : public Server, public TransportHandler {
 
   Status Init() {
     transport_->SetHandler(this);
+    DSYNC_RETURN_IF_ERROR(SetUpDeviceMemory());
     DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(cfg_.bind_host, cfg_.port));
     DSYNC_ASSIGN_OR_RETURN(scheduler_, transport_->Connect(cfg_.scheduler_host,
                                                            cfg_.scheduler_port,
@@ -69,6 +72,57 @@ class ServerNode final : public Server, public TransportHandler {
     spdlog::info("server {} listening on {}:{} (optimizer {}, lr {})", id_, cfg_.bind_host,
                  port_, OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
     return Status::Ok();
+  }
+
+  // GPUDirect RDMA: with a store that has device memory and a transport that can reach it,
+  // large payloads (pushed gradients, initial values, pull replies) go between the NIC and
+  // GPU memory directly instead of through a pinned host buffer and a copy.
+  Status SetUpDeviceMemory() {
+    if (cfg_.gpudirect == "off") return Status::Ok();
+    const DeviceMemory* memory = store_->device_memory();
+    std::string why;
+    if (!memory) {
+      why = fmt::format("the {} store keeps parameters in host memory", store_->name());
+    } else {
+      Result<uint64_t> min_bytes = transport_->EnableDeviceMemory(memory);
+      if (min_bytes.ok()) {
+        device_memory_ = memory;
+        direct_min_bytes_ = *min_bytes;
+        spdlog::info("server: GPUDirect RDMA on: payloads of {} bytes or more go between the "
+                     "NIC and GPU memory directly",
+                     direct_min_bytes_);
+        return Status::Ok();
+      }
+      why = min_bytes.status().message();
+    }
+    if (cfg_.gpudirect == "on") {
+      return Error(StatusCode::kUnavailable,
+                   "--gpudirect on, but GPUDirect RDMA is not possible here: {} (--gpudirect "
+                   "auto stages payloads through pinned host memory instead)",
+                   why);
+    }
+    if (memory) {
+      spdlog::info("server: GPUDirect RDMA off ({}); payloads are staged through pinned host "
+                   "memory",
+                   why);
+    }
+    return Status::Ok();
+  }
+
+  // Payload buffers: GPU memory where GPUDirect RDMA is on and the payload is large enough,
+  // host memory otherwise (also when the GPU's pool cannot grow).
+  void* AcquireBuffer(size_t bytes) {
+    if (device_memory_ && bytes >= direct_min_bytes_) {
+      if (void* p = device_pool_.Acquire(bytes)) return p;
+    }
+    return pool_.Acquire(bytes);
+  }
+  void ReleaseBuffer(void* buffer, size_t bytes) {
+    if (buffer && device_memory_ && device_memory_->Contains(buffer, bytes)) {
+      device_pool_.Release(buffer, bytes);
+    } else {
+      pool_.Release(buffer, bytes);
+    }
   }
 
   NodeId id() const override { return id_; }
@@ -106,7 +160,8 @@ class ServerNode final : public Server, public TransportHandler {
       std::shared_lock lock(slices_mu_);
       s.slices = slice_list_.size();
     }
-    s.staging_buffers = pool_.created();
+    s.staging_buffers = pool_.created() + device_pool_.created();
+    s.device_buffers = device_pool_.created();
     return s;
   }
 
@@ -150,14 +205,14 @@ class ServerNode final : public Server, public TransportHandler {
         ps->verdict = CheckData(h, &s);
         if (ps->verdict.ok()) ps->verdict = CheckNotGone(ps->worker, h.round);
         if (!ps->verdict.ok()) return nullptr;
-        void* buf = pool_.Acquire(h.payload_len);
+        void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
         return buf;
       }
       case MsgType::kInit: {
         ps->verdict = CheckInit(h, meta, &ps->init_exists);
         if (!ps->verdict.ok() || ps->init_exists) return nullptr;
-        void* buf = pool_.Acquire(h.payload_len);
+        void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
         return buf;
       }
@@ -171,7 +226,7 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   void OnPayloadLost(PeerId, const FrameHeader& h, void* payload) override {
-    pool_.Release(payload, h.payload_len);  // a truncated push stages nothing
+    ReleaseBuffer(payload, h.payload_len);  // a truncated push stages nothing
   }
 
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
@@ -182,11 +237,11 @@ class ServerNode final : public Server, public TransportHandler {
     }
     PeerState* ps = FindPeer(peer);
     if (!ps || ps->doomed) {
-      pool_.Release(payload, h.payload_len);
+      ReleaseBuffer(payload, h.payload_len);
       return;
     }
     if (!ps->verdict.ok()) {
-      pool_.Release(payload, h.payload_len);
+      ReleaseBuffer(payload, h.payload_len);
       Refuse(peer, h, ps->verdict, /*drop=*/!ps->worker || h.msg_type() == MsgType::kHello);
       return;
     }
@@ -370,7 +425,7 @@ class ServerNode final : public Server, public TransportHandler {
         Status st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
         if (!st.ok()) {
           lock.unlock();
-          pool_.Release(payload, h.payload_len);
+          ReleaseBuffer(payload, h.payload_len);
           Refuse(peer, h, st, false);
           return;
         }
@@ -385,7 +440,7 @@ class ServerNode final : public Server, public TransportHandler {
         tensors_.try_emplace(h.tensor, TensorMeta{im.name, im.tensor_elements});
       }
       lock.unlock();
-      pool_.Release(payload, h.payload_len);
+      ReleaseBuffer(payload, h.payload_len);
     }
     slice = FindSlice(h.tensor, h.slice);
     FrameHeader ack = MakeHeader(MsgType::kInitAck, id_);
@@ -416,7 +471,7 @@ class ServerNode final : public Server, public TransportHandler {
       if (error.ok()) s->staged.push_back({worker, h.round, static_cast<float*>(payload)});
     }
     if (!error.ok()) {
-      pool_.Release(payload, h.payload_len);
+      ReleaseBuffer(payload, h.payload_len);
       Refuse(peer, h, error, false);
       return;
     }
@@ -449,7 +504,7 @@ class ServerNode final : public Server, public TransportHandler {
   void ReplyPull(SliceState& s, PeerId peer, uint64_t request) {
     trace::Scoped range(trace::Range::kServerPull);
     const size_t bytes = s.elements * sizeof(float);
-    void* buf = pool_.Acquire(bytes);
+    void* buf = AcquireBuffer(bytes);
     if (!buf) return;
     Status st = store_->Read(s.key, {static_cast<float*>(buf), s.elements});
     FrameHeader h = MakeHeader(MsgType::kPullReply, id_);
@@ -460,10 +515,10 @@ class ServerNode final : public Server, public TransportHandler {
     h.dtype = static_cast<uint8_t>(DType::kFloat32);
     if (st.ok()) {
       st = transport_->Send(peer, h, {}, buf, bytes,
-                            [this, buf, bytes](const Status&) { pool_.Release(buf, bytes); });
+                            [this, buf, bytes](const Status&) { ReleaseBuffer(buf, bytes); });
     }
     if (!st.ok()) {
-      pool_.Release(buf, bytes);
+      ReleaseBuffer(buf, bytes);
       return;
     }
     ++stats_.pulls_answered;
@@ -528,7 +583,7 @@ class ServerNode final : public Server, public TransportHandler {
       std::lock_guard slock(s->mu);
       std::erase_if(s->staged, [&](const Staged& st) {
         if (st.worker != w || st.clock < next_clock) return false;
-        pool_.Release(st.data, s->elements * sizeof(float));
+        ReleaseBuffer(st.data, s->elements * sizeof(float));
         ++dropped;
         return true;
       });
@@ -588,7 +643,7 @@ class ServerNode final : public Server, public TransportHandler {
       if (!st.ok()) spdlog::error("server {}: applying round {}: {}", id_, r.round, st.message());
       std::sort(used.begin(), used.end());
       for (size_t k = used.size(); k-- > 0;) {
-        pool_.Release(s->staged[used[k]].data, s->elements * sizeof(float));
+        ReleaseBuffer(s->staged[used[k]].data, s->elements * sizeof(float));
         s->staged.erase(s->staged.begin() + static_cast<std::ptrdiff_t>(used[k]));
       }
       s->version = r.round + 1;
@@ -635,7 +690,7 @@ class ServerNode final : public Server, public TransportHandler {
   void ReleaseAllStaged() {
     std::shared_lock lock(slices_mu_);
     for (SliceState* s : slice_list_) {
-      for (const Staged& st : s->staged) pool_.Release(st.data, s->elements * sizeof(float));
+      for (const Staged& st : s->staged) ReleaseBuffer(st.data, s->elements * sizeof(float));
       s->staged.clear();
     }
   }
@@ -644,6 +699,9 @@ class ServerNode final : public Server, public TransportHandler {
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<ParamStore> store_;
   BufferPool pool_;
+  BufferPool device_pool_;                       // GPUDirect RDMA only
+  const DeviceMemory* device_memory_ = nullptr;  // set when GPUDirect RDMA is on
+  uint64_t direct_min_bytes_ = 0;
   PeerId scheduler_ = kNoPeer;
   uint16_t port_ = 0;
   NodeId id_ = 0;
@@ -686,9 +744,20 @@ Result<std::unique_ptr<Server>> Server::Start(const Config& config) {
   DSYNC_RETURN_IF_ERROR(config.Validate());
   DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
   DSYNC_ASSIGN_OR_RETURN(auto store, ps::MakeParamStore(config));
-  auto node = std::make_unique<ps::ServerNode>(config, std::move(transport), std::move(store));
+  return ps::StartServer(config, std::move(transport), std::move(store));
+}
+
+namespace ps {
+
+Result<std::unique_ptr<Server>> StartServer(const Config& config,
+                                            std::unique_ptr<Transport> transport,
+                                            std::unique_ptr<ParamStore> store) {
+  DSYNC_RETURN_IF_ERROR(config.Validate());
+  auto node = std::make_unique<ServerNode>(config, std::move(transport), std::move(store));
   DSYNC_RETURN_IF_ERROR(node->Init());
   return std::unique_ptr<Server>(std::move(node));
 }
+
+}  // namespace ps
 
 }  // namespace dsync

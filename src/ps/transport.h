@@ -16,6 +16,7 @@
 #include <string>
 
 #include "dsync/status.h"
+#include "ps/device_memory.h"
 #include "ps/inline_callback.h"
 #include "ps/protocol.h"
 
@@ -78,6 +79,18 @@ class Transport {
   // ForgetMemory before the memory is freed. Failing to register only costs speed.
   virtual Status RegisterMemory(const void* /*ptr*/, size_t /*bytes*/) { return Status::Ok(); }
   virtual void ForgetMemory(const void* /*ptr*/, size_t /*bytes*/) {}
+
+  // GPUDirect RDMA: lets the transport move payloads straight from and into `memory` (which
+  // must outlive the transport). Returns the smallest payload that may then live in device
+  // memory, registered first with RegisterMemory; smaller payloads are copied by the CPU and
+  // must stay in host memory. An error says why the transport cannot (TCP never can; RDMA
+  // needs a NIC driver and a GPU driver that both support dma-buf).
+  virtual Result<uint64_t> EnableDeviceMemory(const DeviceMemory* /*memory*/) {
+    return Error(StatusCode::kUnimplemented,
+                 "the {} transport cannot reach GPU memory (GPUDirect RDMA needs --transport "
+                 "rdma)",
+                 name());
+  }
 };
 
 }  // namespace dsync::ps

@@ -40,9 +40,40 @@ MrCache::~MrCache() {
   }
 }
 
+void MrCache::SetDeviceMemory(const ps::DeviceMemory* memory) {
+  std::lock_guard lock(mu_);
+  device_memory_ = memory;
+}
+
+// The dma-buf route (rdma-core's ibv_reg_dmabuf_mr(3)): the GPU driver exports the range as
+// a file descriptor, the NIC driver maps it; the iova is the range's virtual address, so work
+// requests use device pointers exactly like host ones. The fd may be closed at once: the MR
+// holds its own reference to the dma-buf.
+Result<ibv_mr*> MrCache::RegisterDevice(uintptr_t begin, uintptr_t end) {
+  const void* p = reinterpret_cast<const void*>(begin);
+  DSYNC_ASSIGN_OR_RETURN(int fd, device_memory_->ExportDmaBuf(p, end - begin));
+  ibv_mr* mr = ibv_reg_dmabuf_mr(pd_, 0, end - begin, begin, fd, access_);
+  const int err = errno;
+  close(fd);
+  if (!mr) {
+    return Error(StatusCode::kUnavailable,
+                 "registering {} bytes of GPU memory with the RDMA device (ibv_reg_dmabuf_mr) "
+                 "failed: {}",
+                 end - begin, std::strerror(err));
+  }
+  ++stats_.device_registrations;
+  return mr;
+}
+
 Result<MrCache::Entry*> MrCache::RegisterLocked(uintptr_t begin, uintptr_t end, bool pinned) {
-  ibv_mr* mr = ibv_reg_mr(pd_, reinterpret_cast<void*>(begin), end - begin, access_);
-  if (!mr) return Error(StatusCode::kUnavailable, "{}", RegistrationError(errno, end - begin));
+  ibv_mr* mr = nullptr;
+  if (device_memory_ && device_memory_->Contains(reinterpret_cast<const void*>(begin),
+                                                 end - begin)) {
+    DSYNC_ASSIGN_OR_RETURN(mr, RegisterDevice(begin, end));
+  } else {
+    mr = ibv_reg_mr(pd_, reinterpret_cast<void*>(begin), end - begin, access_);
+    if (!mr) return Error(StatusCode::kUnavailable, "{}", RegistrationError(errno, end - begin));
+  }
   ++stats_.registrations;
   entries_.push_front(Entry{begin, end, mr, 0, pinned, true});
   return &entries_.front();

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "dsync/status.h"
+#include "ps/device_memory.h"
 
 namespace dsync::rdma {
 
@@ -43,6 +44,10 @@ class MrCache {
   Result<Ref> Acquire(const void* addr, size_t len);
   void Release(const Ref& ref);
 
+  // GPUDirect RDMA: from now on, ranges inside `memory` are registered through its dma-buf
+  // export (ibv_reg_dmabuf_mr) instead of ibv_reg_mr, which cannot pin device memory.
+  void SetDeviceMemory(const ps::DeviceMemory* memory);
+
   // Long-lived memory: registered now and kept while unused, until Invalidate.
   Status Pin(const void* addr, size_t len);
   // The memory is being freed: no later Acquire may use a registration of it. Entries still
@@ -50,7 +55,8 @@ class MrCache {
   void Invalidate(const void* addr, size_t len);
 
   struct Stats {
-    uint64_t registrations = 0;    // ibv_reg_mr calls
+    uint64_t registrations = 0;    // ibv_reg_mr and ibv_reg_dmabuf_mr calls
+    uint64_t device_registrations = 0;  // of those, of GPU memory (ibv_reg_dmabuf_mr)
     uint64_t hits = 0;             // Acquire served by an existing entry
     uint64_t deregistrations = 0;  // ibv_dereg_mr calls
     size_t entries = 0;            // live entries
@@ -69,10 +75,12 @@ class MrCache {
   // The page-aligned [begin, end) holding [addr, addr + len).
   std::pair<uintptr_t, uintptr_t> Pages(const void* addr, size_t len) const;
   Result<Entry*> RegisterLocked(uintptr_t begin, uintptr_t end, bool pinned);
+  Result<ibv_mr*> RegisterDevice(uintptr_t begin, uintptr_t end);
   void DropLocked(std::list<Entry>::iterator it);
 
   ibv_pd* pd_;
   int access_;
+  const ps::DeviceMemory* device_memory_ = nullptr;  // under mu_
   uintptr_t page_;
   mutable std::mutex mu_;
   std::list<Entry> entries_;  // few: pools and buffers in flight; list keeps Entry* stable

@@ -70,6 +70,38 @@ std::vector<std::string> DeviceNames() {
   return names;
 }
 
+// As NCCL's net_ib does: a registration with fd -1 fails with EBADF where the driver has the
+// dma-buf path and with EOPNOTSUPP (EPROTONOSUPPORT from older libraries) where it has not.
+Status DmaBufSupport(const std::string& device) {
+  DeviceList devices;
+  for (int i = 0; i < devices.count; ++i) {
+    if (device != ibv_get_device_name(devices.list[i])) continue;
+    Context c(devices.list[i]);
+    if (!c.ctx) {
+      return Error(StatusCode::kUnavailable, "cannot open RDMA device {}: {}", device,
+                   std::strerror(errno));
+    }
+    ibv_pd* pd = ibv_alloc_pd(c.ctx);
+    if (!pd) {
+      return Error(StatusCode::kUnavailable, "ibv_alloc_pd on {}: {}", device,
+                   std::strerror(errno));
+    }
+    errno = 0;
+    ibv_mr* mr = ibv_reg_dmabuf_mr(pd, 0, 0, 0, -1, 0);
+    const int err = errno;
+    if (mr) ibv_dereg_mr(mr);
+    ibv_dealloc_pd(pd);
+    if (err == EOPNOTSUPP || err == EPROTONOSUPPORT) {
+      return Error(StatusCode::kUnimplemented,
+                   "the driver of RDMA device {} cannot register GPU memory (ibv_reg_dmabuf_mr: "
+                   "{}; soft-RoCE never can, mlx5 on Linux 5.12+ can)",
+                   device, std::strerror(err));
+    }
+    return Status::Ok();
+  }
+  return Error(StatusCode::kNotFound, "RDMA device {} is gone", device);
+}
+
 uint64_t MemlockLimit() {
   rlimit lim{};
   if (getrlimit(RLIMIT_MEMLOCK, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY) return UINT64_MAX;

@@ -34,6 +34,10 @@ Result<DeviceChoice> ChooseDevice(const DeviceOptions& options, std::string_view
 // Names of the RDMA devices present (empty when none or without kernel support).
 std::vector<std::string> DeviceNames();
 
+// GPUDirect RDMA over dma-buf: OK when the device's kernel driver can register dma-buf memory
+// (ibv_reg_dmabuf_mr), otherwise why not.
+Status DmaBufSupport(const std::string& device);
+
 // The soft locked-memory limit in bytes (UINT64_MAX: unlimited).
 uint64_t MemlockLimit();
 

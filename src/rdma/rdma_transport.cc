@@ -366,6 +366,12 @@ class Rdma final : public RdmaTransport {
       return Error(StatusCode::kInvalidArgument,
                    "{} bytes of metadata do not fit the RDMA transport's slots", meta.size());
     }
+    if (!rendezvous && payload_len > 0 && InDeviceMemory(payload, payload_len)) {
+      return Error(StatusCode::kInvalidArgument,
+                   "a {}-byte payload in GPU memory is below the {} bytes the RDMA transport "
+                   "can send from GPU memory",
+                   payload_len, c->slot_bytes);
+    }
     MrCache::Ref ref;
     if (rendezvous) {
       auto r = c->dev->cache->Acquire(payload, payload_len);
@@ -436,6 +442,22 @@ class Rdma final : public RdmaTransport {
     for (auto& d : devices_) d->cache->Invalidate(ptr, bytes);
   }
 
+  // GPUDirect RDMA. Only rendezvous payloads may be device memory: they are written by the
+  // NIC from and into registered memory, while eager frames are copied by the CPU through
+  // the slots. Every payload of at least slot_bytes goes by rendezvous (it cannot fit a slot
+  // with its headers), so that is the threshold.
+  Result<uint64_t> EnableDeviceMemory(const ps::DeviceMemory* memory) override {
+    if (!memory) return Error(StatusCode::kInvalidArgument, "no device memory given");
+    if (std::string why = memory->DmaBufUnsupported(); !why.empty()) {
+      return Error(StatusCode::kUnimplemented, "{}", why);
+    }
+    DSYNC_RETURN_IF_ERROR(DmaBufSupport(choice_.device));
+    std::lock_guard lock(mu_);
+    device_memory_.store(memory, std::memory_order_release);
+    for (auto& d : devices_) d->cache->SetDeviceMemory(memory);
+    return uint64_t{options_.slot_bytes};
+  }
+
   RdmaStats stats() const override {
     RdmaStats s;
     s.eager_frames = eager_.load();
@@ -446,6 +468,7 @@ class Rdma final : public RdmaTransport {
       const MrCache::Stats cs = d->cache->stats();
       s.registrations += cs.registrations;
       s.registration_hits += cs.hits;
+      s.device_registrations += cs.device_registrations;
     }
     for (const auto& [id, c] : conns_) {
       std::lock_guard cl(c->mu);
@@ -455,6 +478,11 @@ class Rdma final : public RdmaTransport {
   }
 
  private:
+  bool InDeviceMemory(const void* p, uint64_t bytes) const {
+    const ps::DeviceMemory* m = device_memory_.load(std::memory_order_acquire);
+    return m && m->Contains(p, bytes);
+  }
+
   std::shared_ptr<Conn> Find(PeerId peer) const {
     std::lock_guard lock(mu_);
     auto it = conns_.find(peer);
@@ -500,6 +528,7 @@ class Rdma final : public RdmaTransport {
     }
     fcntl(d->channel->fd, F_SETFL, fcntl(d->channel->fd, F_GETFL) | O_NONBLOCK);
     d->cache = std::make_unique<MrCache>(d->pd, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (const ps::DeviceMemory* m = device_memory_.load()) d->cache->SetDeviceMemory(m);
     for (const auto& [ptr, bytes] : pinned_) (void)d->cache->Pin(ptr, bytes);  // registered earlier
     devices_.push_back(std::move(d));
     return devices_.back().get();
@@ -995,6 +1024,15 @@ class Rdma final : public RdmaTransport {
         return;
       }
       if (!rts) {
+        if (dst && fh.payload_len > 0 && InDeviceMemory(dst, fh.payload_len)) {
+          // The CPU cannot copy into GPU memory; a handler must not ask for it (see
+          // EnableDeviceMemory).
+          if (h) h->OnPayloadLost(c->id, fh, dst);
+          Teardown(c, Error(StatusCode::kInternal,
+                            "the handler put a {}-byte eager payload in GPU memory",
+                            fh.payload_len));
+          return;
+        }
         if (dst && fh.payload_len > 0) {
           std::memcpy(dst, body + sizeof(FrameHeader) + fh.meta_len, fh.payload_len);
         }
@@ -1350,6 +1388,7 @@ class Rdma final : public RdmaTransport {
   std::unordered_map<rdma_cm_id*, std::shared_ptr<Conn>> by_cm_;
   std::vector<std::shared_ptr<Conn>> close_requests_;
   std::vector<std::pair<const void*, size_t>> pinned_;  // RegisterMemory'd, for new devices
+  std::atomic<const ps::DeviceMemory*> device_memory_{nullptr};  // GPUDirect RDMA, once on
 
   std::atomic<uint64_t> eager_{0}, rendezvous_{0}, sleeps_{0};
 };

@@ -42,6 +42,7 @@ struct RdmaStats {
   uint64_t credit_stalls = 0;      // sends that waited for credits or a staging slot
   uint64_t registrations = 0;      // ibv_reg_mr calls by the registration cache
   uint64_t registration_hits = 0;  // registrations reused
+  uint64_t device_registrations = 0;  // of GPU memory, through dma-buf (GPUDirect RDMA)
   uint64_t sleeps = 0;             // times the progress thread slept on the channel
 };
 

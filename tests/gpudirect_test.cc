@@ -1,0 +1,362 @@
+// GPUDirect RDMA routing in the server (issue 5), without a GPU or a NIC: a store whose
+// "device memory" is tracked host memory, and a TCP transport that claims it can move
+// payloads of at least kDirectMin bytes to and from that memory. The server must put exactly
+// those payloads there (pushes, initial values, pull replies), register every such buffer
+// with the transport, keep small ones in host memory, and compute the same model bit for bit
+// as a server without GPUDirect. The real pieces are tested where they can run: the RDMA
+// side against soft-RoCE in the VM (rdma_cluster_test), the CUDA side on a GPU (store_test).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "cluster_harness.h"
+#include "cpu/cpu_store.h"
+#include "dsync/scheduler.h"
+#include "ps/server_node.h"
+#include "tcp/tcp_transport.h"
+
+namespace dsync {
+namespace {
+
+using testing::StartWorkers;
+using testing::TestConfig;
+
+constexpr uint64_t kDirectMin = 16 * 1024;
+constexpr size_t kBig = 6000;  // floats: 24000-byte payloads, above kDirectMin
+constexpr size_t kSmall = 100;
+constexpr uint32_t kWorkers = 2, kSteps = 12;
+
+class FakeDeviceMemory final : public ps::DeviceMemory {
+ public:
+  ~FakeDeviceMemory() override {
+    for (auto& [p, n] : blocks_) std::free(reinterpret_cast<void*>(p));
+  }
+  void* Allocate(size_t bytes) {
+    const size_t size = (bytes + 4095) / 4096 * 4096;
+    void* p = std::aligned_alloc(4096, size);
+    std::memset(p, 0xff, size);  // NaN everywhere: a buffer read before it is filled shows
+    std::lock_guard lock(mu_);
+    blocks_[reinterpret_cast<uintptr_t>(p)] = size;
+    ++allocations_;
+    return p;
+  }
+  void Free(void* p) {
+    std::lock_guard lock(mu_);
+    blocks_.erase(reinterpret_cast<uintptr_t>(p));
+    std::free(p);
+  }
+  bool Contains(const void* ptr, size_t bytes) const override {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    std::lock_guard lock(mu_);
+    auto it = blocks_.upper_bound(p);
+    if (it == blocks_.begin()) return false;
+    --it;
+    return p + bytes <= it->first + it->second;
+  }
+  Result<int> ExportDmaBuf(const void*, size_t) const override {
+    return Error(StatusCode::kUnimplemented, "a fake GPU exports nothing");
+  }
+  std::string DmaBufUnsupported() const override { return {}; }
+  uint64_t allocations() const {
+    std::lock_guard lock(mu_);
+    return allocations_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uintptr_t, size_t> blocks_;
+  uint64_t allocations_ = 0;
+};
+
+// The CPU store with fake device memory: it computes on host memory, so "device" payloads
+// are read like any other.
+class FakeGpuStore final : public ps::ParamStore {
+ public:
+  explicit FakeGpuStore(FakeDeviceMemory* memory)
+      : cpu_(cpu::MakeCpuStore()), memory_(memory) {}
+  std::string_view name() const override { return "fake-gpu"; }
+  void* AllocateHost(size_t bytes) override { return cpu_->AllocateHost(bytes); }
+  void FreeHost(void* p, size_t bytes) override { cpu_->FreeHost(p, bytes); }
+  void* AllocateDevice(size_t bytes) override { return memory_->Allocate(bytes); }
+  void FreeDevice(void* p, size_t) override { memory_->Free(p); }
+  const ps::DeviceMemory* device_memory() const override { return memory_; }
+  Status InitSlice(ps::SliceKey k, std::span<const float> init) override {
+    return cpu_->InitSlice(k, init);
+  }
+  bool HasSlice(ps::SliceKey k) const override { return cpu_->HasSlice(k); }
+  uint64_t SliceElements(ps::SliceKey k) const override { return cpu_->SliceElements(k); }
+  Status ApplyRound(ps::SliceKey k, std::span<const float* const> grads,
+                    const OptimizerConfig& opt) override {
+    return cpu_->ApplyRound(k, grads, opt);
+  }
+  Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
+
+ private:
+  std::unique_ptr<ps::ParamStore> cpu_;
+  FakeDeviceMemory* memory_;
+};
+
+// TCP underneath, GPUDirect claimed on top; every payload the server hands it is checked
+// against the rule EnableDeviceMemory states.
+class DirectTcp final : public ps::Transport, public ps::TransportHandler {
+ public:
+  explicit DirectTcp(bool can) : tcp_(tcp::MakeTcpTransport({})), can_(can) {}
+  ~DirectTcp() override { tcp_->Shutdown(); }
+
+  std::string_view name() const override { return "direct-tcp"; }
+  void SetHandler(ps::TransportHandler* h) override {
+    handler_ = h;
+    tcp_->SetHandler(this);
+  }
+  Result<uint16_t> Listen(const std::string& host, uint16_t port) override {
+    return tcp_->Listen(host, port);
+  }
+  Result<ps::PeerId> Connect(const std::string& host, uint16_t port, uint32_t t) override {
+    return tcp_->Connect(host, port, t);
+  }
+  Status Send(ps::PeerId peer, ps::FrameHeader h, std::span<const std::byte> meta,
+              const void* payload, uint64_t len, ps::SendDone done) override {
+    if (len > 0) Check(payload, len, /*receive=*/false);
+    return tcp_->Send(peer, h, meta, payload, len, std::move(done));
+  }
+  void Close(ps::PeerId peer) override { tcp_->Close(peer); }
+  void Shutdown() override { tcp_->Shutdown(); }
+  std::string PeerAddress(ps::PeerId peer) const override { return tcp_->PeerAddress(peer); }
+  Status RegisterMemory(const void* p, size_t bytes) override {
+    std::lock_guard lock(mu_);
+    if (memory_ && memory_->Contains(p, bytes)) ++device_registered_;
+    return Status::Ok();
+  }
+  Result<uint64_t> EnableDeviceMemory(const ps::DeviceMemory* memory) override {
+    if (!can_) return Error(StatusCode::kUnimplemented, "this NIC cannot (test)");
+    std::lock_guard lock(mu_);
+    memory_ = memory;
+    return kDirectMin;
+  }
+
+  void OnConnected(ps::PeerId peer, bool inbound) override { handler_->OnConnected(peer, inbound); }
+  void* OnHeader(ps::PeerId peer, const ps::FrameHeader& h,
+                 std::span<const std::byte> meta) override {
+    void* p = handler_->OnHeader(peer, h, meta);
+    if (p && h.payload_len > 0) Check(p, h.payload_len, /*receive=*/true);
+    return p;
+  }
+  void OnFrame(ps::PeerId peer, const ps::FrameHeader& h, std::span<const std::byte> meta,
+               void* payload) override {
+    handler_->OnFrame(peer, h, meta, payload);
+  }
+  void OnPayloadLost(ps::PeerId peer, const ps::FrameHeader& h, void* payload) override {
+    handler_->OnPayloadLost(peer, h, payload);
+  }
+  void OnDisconnected(ps::PeerId peer, const Status& why) override {
+    handler_->OnDisconnected(peer, why);
+  }
+
+  struct Counts {
+    uint64_t device_received = 0, host_received = 0, device_sent = 0, host_sent = 0;
+    uint64_t device_registered = 0, violations = 0;
+  };
+  Counts counts() const {
+    std::lock_guard lock(mu_);
+    Counts c = counts_;
+    c.device_registered = device_registered_;
+    return c;
+  }
+
+ private:
+  void Check(const void* p, uint64_t len, bool receive) {
+    std::lock_guard lock(mu_);
+    const bool device = memory_ && memory_->Contains(p, len);
+    if (device) {
+      ++(receive ? counts_.device_received : counts_.device_sent);
+      if (len < kDirectMin) ++counts_.violations;  // the CPU would have to copy it
+    } else {
+      ++(receive ? counts_.host_received : counts_.host_sent);
+      if (memory_ && len >= kDirectMin) ++counts_.violations;  // staged for nothing
+    }
+  }
+
+  std::unique_ptr<ps::Transport> tcp_;
+  const bool can_;
+  ps::TransportHandler* handler_ = nullptr;
+  mutable std::mutex mu_;
+  const ps::DeviceMemory* memory_ = nullptr;
+  uint64_t device_registered_ = 0;
+  Counts counts_;
+};
+
+struct JobResult {
+  std::vector<float> big, small;
+  ServerStats stats;
+};
+
+// One scheduler, one server with the given backends, kWorkers workers pushing gradients
+// that depend on the model they pulled, so that any wrong byte changes the end result.
+Result<JobResult> RunJob(Config cfg, std::unique_ptr<ps::Transport> transport,
+                         std::unique_ptr<ps::ParamStore> store) {
+  cfg.role = Role::kScheduler;
+  DSYNC_ASSIGN_OR_RETURN(auto scheduler, Scheduler::Start(cfg));
+  cfg.scheduler_port = scheduler->port();
+  auto scheduler_done = std::async(std::launch::async, [&] { return scheduler->Run(); });
+  Config scfg = cfg;
+  scfg.role = Role::kServer;
+  scfg.port = 0;
+  auto server = ps::StartServer(scfg, std::move(transport), std::move(store));
+  if (!server.ok()) {
+    scheduler->Stop();
+    (void)scheduler_done.get();
+    return server.status();
+  }
+  auto server_done = std::async(std::launch::async, [&] { return (*server)->Run(); });
+
+  Config wcfg = cfg;
+  wcfg.role = Role::kWorker;
+  auto workers = StartWorkers(wcfg, kWorkers);
+  JobResult out;
+  std::vector<std::thread> threads;
+  std::mutex out_mu;
+  for (uint32_t rank = 0; rank < workers.size(); ++rank) {
+    threads.emplace_back([&, rank] {
+      Worker& w = *workers[rank];
+      std::vector<float> big(kBig), small(kSmall), gbig(kBig), gsmall(kSmall);
+      for (size_t i = 0; i < kBig; ++i) big[i] = std::sin(0.01f * static_cast<float>(i));
+      for (size_t i = 0; i < kSmall; ++i) small[i] = std::cos(0.1f * static_cast<float>(i));
+      auto tb = w.Register("big", big);
+      auto ts = w.Register("small", small);
+      ASSERT_TRUE(tb.ok() && ts.ok());
+      for (uint32_t step = 0; step < kSteps; ++step) {
+        ASSERT_TRUE(w.Wait(w.Pull(*tb, big.data())).ok());
+        ASSERT_TRUE(w.Wait(w.Pull(*ts, small.data())).ok());
+        for (size_t i = 0; i < kBig; ++i) {
+          gbig[i] = std::sin(big[i] * static_cast<float>(rank + 2) + 0.3f * static_cast<float>(step));
+        }
+        for (size_t i = 0; i < kSmall; ++i) gsmall[i] = small[i] * static_cast<float>(rank + 1) - 0.5f;
+        w.Push(*tb, gbig.data());
+        w.Push(*ts, gsmall.data());
+        ASSERT_TRUE(w.WaitAll().ok());
+      }
+      ASSERT_TRUE(w.Wait(w.Pull(*tb, big.data())).ok());
+      ASSERT_TRUE(w.Wait(w.Pull(*ts, small.data())).ok());
+      if (rank == 0) {
+        std::lock_guard lock(out_mu);
+        out.big = big;
+        out.small = small;
+      }
+      ASSERT_TRUE(w.Leave().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (scheduler_done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    scheduler->Stop();
+    (*server)->Stop();
+    return Error(StatusCode::kDeadlineExceeded, "the job did not finish");
+  }
+  DSYNC_RETURN_IF_ERROR(scheduler_done.get());
+  DSYNC_RETURN_IF_ERROR(server_done.get());
+  out.stats = (*server)->stats();
+  return out;
+}
+
+Config JobConfig(const char* gpudirect) {
+  Config cfg = TestConfig("bsp", 1, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kMomentum;
+  cfg.optimizer.lr = 0.01f;
+  cfg.gpudirect = gpudirect;
+  return cfg;
+}
+
+TEST(GpuDirect, LargePayloadsGoToDeviceMemorySmallOnesStayOnTheHostAndTheModelIsExact) {
+  auto reference = RunJob(JobConfig("off"), tcp::MakeTcpTransport({}),
+                          cpu::MakeCpuStore());
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  EXPECT_EQ(reference->stats.device_buffers, 0u);
+
+  FakeDeviceMemory memory;
+  auto transport = std::make_unique<DirectTcp>(/*can=*/true);
+  DirectTcp* direct = transport.get();
+  auto job = RunJob(JobConfig("on"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+
+  ASSERT_EQ(job->big.size(), kBig);
+  ASSERT_EQ(job->small.size(), kSmall);
+  EXPECT_EQ(0, std::memcmp(job->big.data(), reference->big.data(), kBig * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(job->small.data(), reference->small.data(), kSmall * sizeof(float)));
+  EXPECT_NE(job->big[0], std::sin(0.0f)) << "the model should have moved";
+
+  const DirectTcp::Counts c = direct->counts();
+  EXPECT_EQ(c.violations, 0u);
+  // Every push of the big tensor (and its initial values) arrived in device memory; every
+  // pull reply of it left from there; the small tensor never touched it.
+  EXPECT_GE(c.device_received, uint64_t{kWorkers} * kSteps + 1);
+  EXPECT_GE(c.device_sent, uint64_t{kWorkers} * (kSteps + 1));
+  EXPECT_GE(c.host_received, uint64_t{kWorkers} * kSteps);
+  EXPECT_GE(c.host_sent, uint64_t{kWorkers} * (kSteps + 1));
+  // Pooled: a handful of device buffers, each registered with the transport once.
+  EXPECT_GT(job->stats.device_buffers, 0u);
+  EXPECT_LE(job->stats.device_buffers, 16u);
+  EXPECT_EQ(memory.allocations(), job->stats.device_buffers);
+  EXPECT_EQ(c.device_registered, job->stats.device_buffers);
+}
+
+TEST(GpuDirect, AutoStagesThroughHostMemoryWhenTheTransportCannot) {
+  FakeDeviceMemory memory;
+  auto transport = std::make_unique<DirectTcp>(/*can=*/false);
+  DirectTcp* direct = transport.get();
+  auto job = RunJob(JobConfig("auto"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->stats.device_buffers, 0u);
+  EXPECT_EQ(memory.allocations(), 0u);
+  EXPECT_EQ(direct->counts().device_received + direct->counts().device_sent, 0u);
+}
+
+TEST(GpuDirect, OnFailsToStartSayingWhy) {
+  {
+    FakeDeviceMemory memory;
+    auto job = RunJob(JobConfig("on"), std::make_unique<DirectTcp>(/*can=*/false),
+                      std::make_unique<FakeGpuStore>(&memory));
+    ASSERT_FALSE(job.ok());
+    EXPECT_NE(job.status().message().find("--gpudirect on"), std::string::npos);
+    EXPECT_NE(job.status().message().find("this NIC cannot (test)"), std::string::npos)
+        << job.status().message();
+  }
+  {
+    auto job = RunJob(JobConfig("on"), tcp::MakeTcpTransport({}), cpu::MakeCpuStore());
+    ASSERT_FALSE(job.ok());
+    EXPECT_NE(job.status().message().find("the cpu store keeps parameters in host memory"),
+              std::string::npos)
+        << job.status().message();
+  }
+  {
+    FakeDeviceMemory memory;
+    auto job = RunJob(JobConfig("on"), tcp::MakeTcpTransport({}),
+                      std::make_unique<FakeGpuStore>(&memory));
+    ASSERT_FALSE(job.ok());
+    EXPECT_NE(job.status().message().find("the tcp transport cannot reach GPU memory"),
+              std::string::npos)
+        << job.status().message();
+  }
+}
+
+TEST(GpuDirect, ConfigAcceptsAutoOnOffOnly) {
+  Config c;
+  for (const char* ok : {"auto", "on", "off"}) {
+    c.gpudirect = ok;
+    EXPECT_TRUE(c.Validate().ok()) << ok;
+  }
+  c.gpudirect = "yes";
+  EXPECT_NE(c.Validate().message().find("gpudirect 'yes' is not one of auto, on, off"),
+            std::string::npos);
+  auto env = Config::FromEnvironment({{"DSYNC_GPUDIRECT", "off"}});
+  ASSERT_TRUE(env.ok());
+  EXPECT_EQ(env->gpudirect, "off");
+}
+
+}  // namespace
+}  // namespace dsync
