@@ -107,7 +107,8 @@ class FakeGpuStore final : public ps::ParamStore {
 // against the rule EnableDeviceMemory states.
 class DirectTcp final : public ps::Transport, public ps::TransportHandler {
  public:
-  explicit DirectTcp(bool can) : tcp_(tcp::MakeTcpTransport({})), can_(can) {}
+  explicit DirectTcp(bool can, bool register_fails = false)
+      : tcp_(tcp::MakeTcpTransport({})), can_(can), register_fails_(register_fails) {}
   ~DirectTcp() override { tcp_->Shutdown(); }
 
   std::string_view name() const override { return "direct-tcp"; }
@@ -131,7 +132,12 @@ class DirectTcp final : public ps::Transport, public ps::TransportHandler {
   std::string PeerAddress(ps::PeerId peer) const override { return tcp_->PeerAddress(peer); }
   Status RegisterMemory(const void* p, size_t bytes) override {
     std::lock_guard lock(mu_);
-    if (memory_ && memory_->Contains(p, bytes)) ++device_registered_;
+    if (memory_ && memory_->Contains(p, bytes)) {
+      if (register_fails_) {
+        return Error(StatusCode::kUnavailable, "ibv_reg_dmabuf_mr failed (test)");
+      }
+      ++device_registered_;
+    }
     return Status::Ok();
   }
   Result<uint64_t> EnableDeviceMemory(const ps::DeviceMemory* memory) override {
@@ -185,6 +191,7 @@ class DirectTcp final : public ps::Transport, public ps::TransportHandler {
 
   std::unique_ptr<ps::Transport> tcp_;
   const bool can_;
+  const bool register_fails_;  // the probe passed, but mapping GPU memory fails
   ps::TransportHandler* handler_ = nullptr;
   mutable std::mutex mu_;
   const ps::DeviceMemory* memory_ = nullptr;
@@ -314,6 +321,26 @@ TEST(GpuDirect, AutoStagesThroughHostMemoryWhenTheTransportCannot) {
   EXPECT_EQ(job->stats.device_buffers, 0u);
   EXPECT_EQ(memory.allocations(), 0u);
   EXPECT_EQ(direct->counts().device_received + direct->counts().device_sent, 0u);
+}
+
+// The NIC passed the start-up probe but cannot map GPU memory after all (IOMMU, PCIe
+// topology): the first failure turns GPUDirect off for good, and the job goes on through
+// host memory with the same result.
+TEST(GpuDirect, ARegistrationFailureFallsBackToHostMemoryOnceAndForAll) {
+  auto reference = RunJob(JobConfig("off"), tcp::MakeTcpTransport({}), cpu::MakeCpuStore());
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  FakeDeviceMemory memory;
+  auto transport = std::make_unique<DirectTcp>(/*can=*/true, /*register_fails=*/true);
+  DirectTcp* direct = transport.get();
+  auto job = RunJob(JobConfig("on"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(0, std::memcmp(job->big.data(), reference->big.data(), kBig * sizeof(float)));
+  EXPECT_EQ(job->stats.device_buffers, 0u);
+  // One failed try, or one per connection whose payload raced the first failure.
+  EXPECT_GE(memory.allocations(), 1u);
+  EXPECT_LE(memory.allocations(), uint64_t{kWorkers});
+  const DirectTcp::Counts c = direct->counts();
+  EXPECT_EQ(c.device_received + c.device_sent, 0u);
 }
 
 TEST(GpuDirect, OnFailsToStartSayingWhy) {

@@ -254,10 +254,14 @@ TEST_P(StoreTest, DeviceBuffersServeAsGradientsInitialValuesAndReadTargets) {
   ASSERT_TRUE(dinit && dg0 && dg1 && dout);
   EXPECT_TRUE(memory->Contains(dg0, bytes));
   EXPECT_FALSE(memory->Contains(init.data(), bytes));
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(dg0) % 4096, 0u) << "dma-buf ranges are page aligned";
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(dg0) % page, 0u) << "dma-buf ranges are page aligned";
   ASSERT_EQ(cudaMemcpy(dinit, init.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dg0, grads[0].data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dg1, grads[1].data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  // From pageable memory cudaMemcpy may return before the copy is done, and the store's
+  // streams do not wait for the legacy stream: finish here, as the NIC would have.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const OptimizerConfig opt = Optimizer(OptimizerKind::kAdam);
   const SliceKey host_key = MakeSliceKey(11, 0), device_key = MakeSliceKey(11, 1);
   ASSERT_TRUE(store_->InitSlice(host_key, init).ok());
@@ -271,13 +275,14 @@ TEST_P(StoreTest, DeviceBuffersServeAsGradientsInitialValuesAndReadTargets) {
   std::vector<float> from_host(n, std::numeric_limits<float>::quiet_NaN());
   std::vector<float> from_device(n, std::numeric_limits<float>::quiet_NaN());
   ASSERT_EQ(cudaMemset(dout, 0xff, bytes), cudaSuccess);  // NaN: unwritten elements show
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the memset is asynchronous
   ASSERT_TRUE(store_->Read(host_key, from_host).ok());
   ASSERT_TRUE(store_->Read(device_key, {dout, n}).ok());
   ASSERT_EQ(cudaMemcpy(from_device.data(), dout, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(0, std::memcmp(from_host.data(), from_device.data(), bytes));
   EXPECT_NE(from_host[0], init[0]);
   // dma-buf export works where the GPU supports it, and otherwise says why.
-  auto fd = memory->ExportDmaBuf(dg0, (bytes + 4095) / 4096 * 4096);
+  auto fd = memory->ExportDmaBuf(dg0, (bytes + page - 1) / page * page);
   if (memory->DmaBufUnsupported().empty()) {
     ASSERT_TRUE(fd.ok()) << fd.status().ToString();
     EXPECT_GE(*fd, 0);

@@ -14,15 +14,21 @@ namespace {
 void* DriverFunction(const char* name, unsigned version) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, version, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
+#if CUDART_VERSION >= 12050
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &fn, version, cudaEnableDefault, &found);
+#else  // before 12.5 only the unversioned lookup exists; it gives the toolkit's version
+  (void)version;
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
   return fn;
 }
 
+using GetDeviceFn = CUresult (*)(CUdevice*, int);
 using GetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
 using GetHandleFn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType,
                                  unsigned long long);
@@ -34,12 +40,15 @@ CudaDeviceMemory::CudaDeviceMemory(int device)
   // dma-buf export needs the driver call (CUDA 11.7+) and the device attribute saying the
   // GPU and kernel driver support it.
   export_fn_ = DriverFunction("cuMemGetHandleForAddressRange", 11070);
+  auto get_device = reinterpret_cast<GetDeviceFn>(DriverFunction("cuDeviceGet", 2000));
   auto get_attribute =
       reinterpret_cast<GetAttributeFn>(DriverFunction("cuDeviceGetAttribute", 2000));
   int dmabuf = 0;
-  if (!export_fn_ || !get_attribute) {
+  CUdevice handle{};  // the driver's handle for the runtime's ordinal
+  if (!export_fn_ || !get_device || !get_attribute) {
     unsupported_ = "the CUDA driver has no cuMemGetHandleForAddressRange (it needs CUDA 11.7+)";
-  } else if (get_attribute(&dmabuf, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, device_) !=
+  } else if (get_device(&handle, device_) != CUDA_SUCCESS ||
+             get_attribute(&dmabuf, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, handle) !=
                  CUDA_SUCCESS ||
              !dmabuf) {
     unsupported_ = fmt::format(
@@ -70,11 +79,18 @@ CudaDeviceMemory::~CudaDeviceMemory() {
 void* CudaDeviceMemory::Allocate(size_t bytes) {
   const size_t size = (std::max<size_t>(bytes, 1) + page_ - 1) / page_ * page_;
   void* raw = nullptr;
-  // One page extra, so that a page-aligned start fits inside the allocation whatever
-  // alignment cudaMalloc gave (it guarantees 256 bytes).
-  if (cudaMalloc(&raw, size + page_) != cudaSuccess) {
+  if (cudaMalloc(&raw, size) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
+  }
+  if (reinterpret_cast<uintptr_t>(raw) % page_ != 0) {
+    // cudaMalloc guarantees only 256 bytes (large blocks are 2 MiB aligned in practice):
+    // one page more, so that a page-aligned start fits inside the allocation.
+    (void)cudaFree(raw);
+    if (cudaMalloc(&raw, size + page_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
   }
   const uintptr_t start = (reinterpret_cast<uintptr_t>(raw) + page_ - 1) / page_ * page_;
   std::lock_guard lock(mu_);

@@ -30,7 +30,7 @@ BufferPool::~BufferPool() {
   }
 }
 
-void* BufferPool::Acquire(size_t bytes) {
+void* BufferPool::Acquire(size_t bytes, Status* why) {
   const size_t c = ClassOf(bytes);
   if (c >= kClasses) return nullptr;
   {
@@ -40,18 +40,22 @@ void* BufferPool::Acquire(size_t bytes) {
       free_[c].pop_back();
       return p;
     }
-    ++created_;
   }
   void* p = Allocate(size_t{1} << c);
-  if (p && transport_) {
+  if (!p) return nullptr;
+  if (transport_) {
     // Host memory the transport failed to register still works (registered per message);
     // device memory it cannot register is of no use to it.
-    if (!transport_->RegisterMemory(p, size_t{1} << c).ok() && memory_ == Memory::kDevice) {
+    Status st = transport_->RegisterMemory(p, size_t{1} << c);
+    if (!st.ok() && memory_ == Memory::kDevice) {
       transport_->ForgetMemory(p, size_t{1} << c);
       Free(p, size_t{1} << c);
+      if (why) *why = std::move(st);
       return nullptr;
     }
   }
+  std::lock_guard lock(mu_);
+  ++created_;
   return p;
 }
 

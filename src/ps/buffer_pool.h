@@ -27,9 +27,9 @@ class BufferPool {
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
 
-  // A buffer of at least `bytes`, or nullptr when memory is exhausted (or, for device
-  // memory, when the transport cannot register it).
-  void* Acquire(size_t bytes);
+  // A buffer of at least `bytes`, or nullptr when memory is exhausted or, for device
+  // memory, when the transport cannot register it (then *why, if given, says so).
+  void* Acquire(size_t bytes, Status* why = nullptr);
   void Release(void* buffer, size_t bytes);
 
   uint64_t created() const;  // buffers ever allocated (steady state: stops growing)

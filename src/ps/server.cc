@@ -35,7 +35,7 @@ class ServerNode final : public Server, public TransportHandler {
  public:
   ServerNode(const Config& config, std::unique_ptr<Transport> transport,
              std::unique_ptr<ParamStore> store)
-      : cfg_(config), transport_(std::move(transport)), store_(std::move(store)),
+      : cfg_(config), store_(std::move(store)), transport_(std::move(transport)),
         pool_(store_.get(), transport_.get()),
         device_pool_(store_.get(), transport_.get(), BufferPool::Memory::kDevice) {}
 
@@ -88,6 +88,7 @@ class ServerNode final : public Server, public TransportHandler {
       if (min_bytes.ok()) {
         device_memory_ = memory;
         direct_min_bytes_ = *min_bytes;
+        device_direct_.store(true);
         spdlog::info("server: GPUDirect RDMA on: payloads of {} bytes or more go between the "
                      "NIC and GPU memory directly",
                      direct_min_bytes_);
@@ -112,8 +113,16 @@ class ServerNode final : public Server, public TransportHandler {
   // Payload buffers: GPU memory where GPUDirect RDMA is on and the payload is large enough,
   // host memory otherwise (also when the GPU's pool cannot grow).
   void* AcquireBuffer(size_t bytes) {
-    if (device_memory_ && bytes >= direct_min_bytes_) {
-      if (void* p = device_pool_.Acquire(bytes)) return p;
+    if (device_direct_.load(std::memory_order_relaxed) && bytes >= direct_min_bytes_) {
+      Status why;
+      if (void* p = device_pool_.Acquire(bytes, &why)) return p;
+      // The NIC may pass the start-up probe and still fail to map GPU memory (IOMMU, PCIe
+      // topology): stop trying at once rather than pay a failed registration per message.
+      if (!why.ok() && device_direct_.exchange(false)) {
+        spdlog::warn("server {}: GPUDirect RDMA off from now on ({}); payloads are staged "
+                     "through pinned host memory",
+                     id_, why.message());
+      }
     }
     return pool_.Acquire(bytes);
   }
@@ -696,11 +705,14 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   Config cfg_;
-  std::unique_ptr<Transport> transport_;
+  // The store outlives the transport: the transport's registrations of the store's device
+  // memory must go before that memory is freed.
   std::unique_ptr<ParamStore> store_;
+  std::unique_ptr<Transport> transport_;
   BufferPool pool_;
   BufferPool device_pool_;                       // GPUDirect RDMA only
   const DeviceMemory* device_memory_ = nullptr;  // set when GPUDirect RDMA is on
+  std::atomic<bool> device_direct_{false};       // new payloads go to device memory
   uint64_t direct_min_bytes_ = 0;
   PeerId scheduler_ = kNoPeer;
   uint16_t port_ = 0;
