@@ -5,8 +5,7 @@
 #include <algorithm>
 #include <mutex>
 #include <shared_mutex>
-#include <thread>
-#include <unordered_map>
+#include <vector>
 
 #include "cuda/apply_kernels.h"
 #include "cuda/cuda_device_memory.h"
@@ -37,10 +36,10 @@ struct Slice {
   uint64_t steps = 0;
 };
 
-// What one calling thread uses: its own stream, and the scratch its rounds copy gradients
-// into. Only the owning thread touches a lane, so rounds and reads issued by different
-// threads (the server's apply thread, its transport threads answering pulls) overlap on
-// the device instead of queueing behind one stream.
+// What one call uses: a stream, and the scratch a round copies gradients into. A call holds
+// its lane alone, so rounds and reads issued by different threads at once (the server's
+// apply thread, its transport threads answering pulls) overlap on the device instead of
+// queueing behind one stream.
 struct Lane {
   cudaStream_t stream = nullptr;
   DeviceBuffer scratch;
@@ -88,7 +87,7 @@ class CudaStore final : public ps::ParamStore {
     if (HasSlice(key)) {  // before allocating and copying a whole slice for nothing
       return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
     }
-    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
     auto slice = std::make_unique<Slice>();
     slice->n = init.size();
     DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(init.size(), "allocating a slice"));
@@ -110,7 +109,7 @@ class CudaStore final : public ps::ParamStore {
                     const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
-    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
     for (const float* g : grads) {
       if (device_memory_.Contains(g, s->n * sizeof(float))) {  // written by the NIC
         DSYNC_RETURN_IF_ERROR(device_memory_.FlushRemoteWrites());
@@ -132,7 +131,7 @@ class CudaStore final : public ps::ParamStore {
     }
     // Once anything is queued on the stream, it is synchronized before returning, error or
     // not: the caller reuses the host gradient buffers as soon as this returns.
-    const Status queued = EnqueueRound(s, lane, grads, opt);
+    const Status queued = EnqueueRound(s, lane.get(), grads, opt);
     const cudaError_t synced = cudaStreamSynchronize(lane->stream);
     DSYNC_RETURN_IF_ERROR(queued);
     if (synced != cudaSuccess) return CudaError(synced, "applying a round");
@@ -179,7 +178,7 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
     DSYNC_RETURN_IF_ERROR(ps::SliceTable<Slice>::CheckReadSize(key, out.size(), s->n));
     trace::Scoped range(trace::Range::kStoreRead);
-    DSYNC_ASSIGN_OR_RETURN(Lane * lane, MyLane());
+    DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
     const cudaError_t copied = cudaMemcpyAsync(out.data(), s->params.get(),
                                                s->n * sizeof(float), cudaMemcpyDefault,
                                                lane->stream);
@@ -190,28 +189,54 @@ class CudaStore final : public ps::ParamStore {
   }
 
  private:
-  // The calling thread's lane, created on its first call (once per thread, not per round).
-  Result<Lane*> MyLane() const {
-    DSYNC_CUDA_RETURN(cudaSetDevice(device_), "selecting the store's GPU");
+  void ReturnLane(std::unique_ptr<Lane> lane) const {
     std::lock_guard lock(lanes_mu_);
-    std::unique_ptr<Lane>& lane = lanes_[std::this_thread::get_id()];
-    if (!lane) {
-      auto fresh = std::make_unique<Lane>();
-      const cudaError_t err = cudaStreamCreateWithFlags(&fresh->stream, cudaStreamNonBlocking);
-      if (err != cudaSuccess) {
-        lanes_.erase(std::this_thread::get_id());
-        return CudaError(err, "creating a CUDA stream for this thread");
-      }
-      lane = std::move(fresh);
+    idle_lanes_.push_back(std::move(lane));
+  }
+
+  // A lane for the length of one call: an idle one, or a new one when every lane is busy.
+  // Lanes are shared by calls, not owned by threads: a thread per reconnecting worker would
+  // otherwise leave a stream behind each. Lanes therefore number the most calls ever in
+  // flight at once. Handing a lane to another thread is safe even with work still queued on
+  // it: the stream orders that work before the next call's.
+  class LaneLease {
+   public:
+    LaneLease(const CudaStore* store, std::unique_ptr<Lane> lane)
+        : store_(store), lane_(std::move(lane)) {}
+    LaneLease(LaneLease&&) = default;
+    LaneLease& operator=(LaneLease&&) = delete;
+    ~LaneLease() {
+      if (lane_) store_->ReturnLane(std::move(lane_));
     }
-    return lane.get();
+    Lane* operator->() const { return lane_.get(); }
+    Lane* get() const { return lane_.get(); }
+
+   private:
+    const CudaStore* store_;
+    std::unique_ptr<Lane> lane_;
+  };
+
+  Result<LaneLease> TakeLane() const {
+    DSYNC_CUDA_RETURN(cudaSetDevice(device_), "selecting the store's GPU");
+    {
+      std::lock_guard lock(lanes_mu_);
+      if (!idle_lanes_.empty()) {
+        std::unique_ptr<Lane> lane = std::move(idle_lanes_.back());
+        idle_lanes_.pop_back();
+        return LaneLease(this, std::move(lane));
+      }
+    }
+    auto fresh = std::make_unique<Lane>();
+    DSYNC_CUDA_RETURN(cudaStreamCreateWithFlags(&fresh->stream, cudaStreamNonBlocking),
+                      "creating a CUDA stream");
+    return LaneLease(this, std::move(fresh));
   }
 
   const int device_;
   CudaDeviceMemory device_memory_;
   ps::SliceTable<Slice> slices_;
   mutable std::mutex lanes_mu_;
-  mutable std::unordered_map<std::thread::id, std::unique_ptr<Lane>> lanes_;
+  mutable std::vector<std::unique_ptr<Lane>> idle_lanes_;
 };
 
 }  // namespace
