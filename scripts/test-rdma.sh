@@ -16,7 +16,8 @@ build=${DSYNC_BUILD_DIR:-build}
 # shared libraries). vm_commands: shell command lines run there, cwd = the repository root,
 # with DSYNC_RDMA_DEVICE, DSYNC_RXE_GID_INDEX, DSYNC_RXE_IP set (see scripts/rxe-vm.sh).
 vm_files=("$repo/tests/rxe" "$build/tests/transport_test" "$build/tests/rdma_cluster_test"
-          "$build/apps/dsyncps/dsyncps" "$repo/scripts/setup-rxe.sh" /usr/bin/bash)
+          "$build/apps/dsyncps/dsyncps" "$repo/scripts/setup-rxe.sh" /usr/bin/bash
+          /usr/bin/setpriv)  # util-linux's: busybox's cannot change the user
 vm_commands=(
   "tests/rxe/smoke.sh"
   # The Transport conformance suite on real verbs (the TCP instances ran outside already).

@@ -28,6 +28,18 @@ expect "loopback" "listen on the IP of an RDMA netdev ($ip on $netdev" \
   srv --transport rdma --bind 127.0.0.1
 expect "peer unreachable" "cannot connect to $ip:1 over RDMA" \
   srv --transport rdma --bind "$ip"
+# The memlock limit binds only without CAP_IPC_LOCK, so as nobody (the VM runs as root),
+# with the 64 KiB some distributions still default to.
+as_nobody_64k() {
+  sh -c 'ulimit -l 64 && exec /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups "$@"' \
+    sh "$@"
+}
+expect "memlock warning" "RDMA: the locked-memory limit is 64 KiB" \
+  as_nobody_64k "$bin" server --scheduler-uri "$ip" --scheduler-port 1 --connect-timeout-ms 500 \
+  --transport rdma --bind "$ip"
+expect "memlock registration" "the locked-memory limit is 64 KiB, too low for RDMA: raise it (ulimit -l unlimited" \
+  as_nobody_64k "$bin" server --scheduler-uri "$ip" --scheduler-port 1 --connect-timeout-ms 500 \
+  --transport rdma --bind "$ip"
 if /usr/bin/bash "$repo/scripts/setup-rxe.sh" "$netdev" "$dev" >/tmp/setup.log 2>&1 &&
    grep -q "ready: dsyncps ... --transport rdma --bind $ip" /tmp/setup.log; then
   echo "=== diagnostics: setup-rxe.sh PASS"
