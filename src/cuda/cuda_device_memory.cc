@@ -137,8 +137,12 @@ Result<int> CudaDeviceMemory::ExportDmaBuf(const void* ptr, size_t bytes) const 
   return fd;
 }
 
-Status CudaDeviceMemory::FlushRemoteWrites() const {
+Status CudaDeviceMemory::FlushBeforeReading(std::span<const float* const> inputs,
+                                            size_t bytes) const {
   if (!flush_) return Status::Ok();
+  bool written = false;
+  for (const float* p : inputs) written = written || Contains(p, bytes);
+  if (!written) return Status::Ok();
   return CudaCheck(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
                                                       cudaFlushGPUDirectRDMAWritesToOwner),
                    "flushing the NIC's writes into GPU memory");

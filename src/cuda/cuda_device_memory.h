@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 
 #include "dsync/status.h"
@@ -30,10 +31,11 @@ class CudaDeviceMemory final : public ps::DeviceMemory {
   Result<int> ExportDmaBuf(const void* ptr, size_t bytes) const override;
   std::string DmaBufUnsupported() const override { return unsupported_; }
 
-  // Makes the NIC's writes into device memory visible to the GPU's next kernel or copy, where
-  // the GPU does not order them by itself (CUDA Driver API, cuFlushGPUDirectRDMAWrites). The
-  // caller selects the device.
-  Status FlushRemoteWrites() const;
+  // Before the GPU reads `inputs` (each `bytes` long): where any of them is memory of ours
+  // that a NIC wrote, makes those writes visible to the next kernel or copy, if the GPU does
+  // not order them by itself (CUDA Driver API, cuFlushGPUDirectRDMAWrites). The caller
+  // selects the device. GPUs that order them (Hopper) skip even the lookups.
+  Status FlushBeforeReading(std::span<const float* const> inputs, size_t bytes) const;
 
  private:
   struct Block {

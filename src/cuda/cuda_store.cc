@@ -91,9 +91,8 @@ class CudaStore final : public ps::ParamStore {
     auto slice = std::make_unique<Slice>();
     slice->n = init.size();
     DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(init.size(), "allocating a slice"));
-    if (device_memory_.Contains(init.data(), init.size_bytes())) {
-      DSYNC_RETURN_IF_ERROR(device_memory_.FlushRemoteWrites());
-    }
+    const float* input = init.data();
+    DSYNC_RETURN_IF_ERROR(device_memory_.FlushBeforeReading({&input, 1}, init.size_bytes()));
     DSYNC_CUDA_RETURN(cudaMemcpyAsync(slice->params.get(), init.data(), init.size_bytes(),
                                       cudaMemcpyDefault, lane->stream),
                       "copying a slice's initial values");
@@ -110,12 +109,7 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     if (grads.empty()) return Status::Ok();
     DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
-    for (const float* g : grads) {
-      if (device_memory_.Contains(g, s->n * sizeof(float))) {  // written by the NIC
-        DSYNC_RETURN_IF_ERROR(device_memory_.FlushRemoteWrites());
-        break;
-      }
-    }
+    DSYNC_RETURN_IF_ERROR(device_memory_.FlushBeforeReading(grads, s->n * sizeof(float)));
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
       if (!s->state[i]) {
