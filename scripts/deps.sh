@@ -6,6 +6,8 @@ set -euo pipefail
 
 packages=(
   cmake ninja-build g++ pkg-config
+  # credentials and push receipts (src/ps/keys.cc)
+  libsodium-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
   libopenblas-dev dataset-fashion-mnist gnuplot-nox

@@ -139,14 +139,21 @@ TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
   EXPECT_NE(too_few.status().message().find("at least 3 tasks"), std::string::npos);
 }
 
-TEST(ConfigValidate, RefusesWhatCannotRun) {
+// A configuration that passes validation: the defaults and a token.
+Config WithToken() {
   Config c;
+  c.token = "t";
+  return c;
+}
+
+TEST(ConfigValidate, RefusesWhatCannotRun) {
+  Config c = WithToken();
   c.num_servers = 0;
   EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
-  c = Config();
+  c = WithToken();
   c.heartbeat_timeout_ms = c.heartbeat_interval_ms;
   EXPECT_NE(c.Validate().message().find("heartbeat timeout"), std::string::npos);
-  c = Config();
+  c = WithToken();
   c.transport = "infiniband";
   EXPECT_NE(c.Validate().message().find("not one of tcp, rdma, auto"), std::string::npos);
   c.transport = "rdma";
@@ -156,14 +163,41 @@ TEST(ConfigValidate, RefusesWhatCannotRun) {
   EXPECT_EQ(c.Validate().code(), StatusCode::kUnimplemented);
   EXPECT_NE(c.Validate().message().find("--transport tcp"), std::string::npos);
 #endif
-  c = Config();
+  c = WithToken();
   c.store = "cuda";
   EXPECT_TRUE(c.Validate().ok());  // whether a GPU is there is the store factory's question
   c.store = "gpu";
   EXPECT_NE(c.Validate().message().find("not one of cpu, cuda, auto"), std::string::npos);
-  c = Config();
+  c = WithToken();
   c.slice_bytes = 2;
   EXPECT_FALSE(c.Validate().ok());
+  c = WithToken();
+  c.handshake_timeout_ms = 0;
+  EXPECT_FALSE(c.Validate().ok());
+}
+
+TEST(ConfigValidate, NoTokenIsRefusedUnlessInsecureIsSaid) {
+  Config c;
+  const Status st = c.Validate();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("no cluster token: set DSYNC_TOKEN"), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("--insecure (DSYNC_INSECURE=1)"), std::string::npos);
+  c.insecure = true;
+  EXPECT_TRUE(c.Validate().ok());
+  auto env = Config::FromEnvironment({{"DSYNC_INSECURE", "1"}});
+  ASSERT_TRUE(env.ok());
+  EXPECT_TRUE(env->insecure);
+  EXPECT_TRUE(env->Validate().ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"DSYNC_INSECURE", "yes"}}).ok());
+  auto limits = Config::FromEnvironment({{"DSYNC_TOKEN", "t"},
+                                          {"DSYNC_HANDSHAKE_TIMEOUT_MS", "1500"},
+                                          {"DSYNC_MAX_PENDING_CONNECTIONS", "8"},
+                                          {"DSYNC_MAX_PENDING_PER_SOURCE", "2"}});
+  ASSERT_TRUE(limits.ok());
+  EXPECT_EQ(limits->handshake_timeout_ms, 1500u);
+  EXPECT_EQ(limits->max_pending_connections, 8u);
+  EXPECT_EQ(limits->max_pending_per_source, 2u);
 }
 
 }  // namespace

@@ -112,8 +112,9 @@ TEST(MlpMath, TheProgramRefusesCudaWithoutADeviceBeforeStarting) {
   }
 
   out.clear();
-  st = RunShell("timeout 60 " + bin + " worker --model mlp --worker-math cuda --scheduler-port 1 "
-           "--connect-timeout-ms 100",
+  st = RunShell("timeout 60 " + bin +
+                    " worker --token t --model mlp --worker-math cuda --scheduler-port 1 "
+                    "--connect-timeout-ms 100",
            &out);
   ASSERT_TRUE(WIFEXITED(st)) << out;
   EXPECT_EQ(WEXITSTATUS(st), 1) << out;

@@ -130,6 +130,8 @@ class DirectTcp final : public ps::Transport, public ps::TransportHandler {
   void Close(ps::PeerId peer) override { tcp_->Close(peer); }
   void Shutdown() override { tcp_->Shutdown(); }
   std::string PeerAddress(ps::PeerId peer) const override { return tcp_->PeerAddress(peer); }
+  void Trust(ps::PeerId peer) override { tcp_->Trust(peer); }
+  bool HasUnreadInput(ps::PeerId peer) const override { return tcp_->HasUnreadInput(peer); }
   Status RegisterMemory(const void* p, size_t bytes) override {
     std::lock_guard lock(mu_);
     if (memory_ && memory_->Contains(p, bytes)) {
@@ -373,6 +375,7 @@ TEST(GpuDirect, OnFailsToStartSayingWhy) {
 
 TEST(GpuDirect, ConfigAcceptsAutoOnOffOnly) {
   Config c;
+  c.token = "t";
   for (const char* ok : {"auto", "on", "off"}) {
     c.gpudirect = ok;
     EXPECT_TRUE(c.Validate().ok()) << ok;

@@ -285,13 +285,14 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
         << p.Output();
   }
   {
-    Proc p({DSYNC_BINARY, "worker", "--scheduler-port", "1", "--connect-timeout-ms", "300"}, {},
-           dir_ / "b.log");
+    Proc p({DSYNC_BINARY, "worker", "--scheduler-port", "1", "--connect-timeout-ms", "300"},
+           {{"DSYNC_TOKEN", "t"}}, dir_ / "b.log");
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 1);
     EXPECT_NE(p.Output().find("cannot reach 127.0.0.1:1"), std::string::npos) << p.Output();
   }
   {
-    Proc p({DSYNC_BINARY, "server", "--transport", "rdma"}, {}, dir_ / "c.log");
+    Proc p({DSYNC_BINARY, "server", "--transport", "rdma"}, {{"DSYNC_TOKEN", "t"}},
+           dir_ / "c.log");
 #if DSYNC_HAVE_RDMA
     // Built with RDMA, on a machine without a device (this one; the VM runs other tests).
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 1);
@@ -306,6 +307,22 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
     Proc p({DSYNC_BINARY}, {}, dir_ / "d.log");
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
     EXPECT_NE(p.Output().find("set DSYNC_ROLE"), std::string::npos) << p.Output();
+  }
+  {
+    // Role mode without a token: refused, saying what to set; --insecure runs, warning once.
+    Proc p({DSYNC_BINARY, "scheduler", "--scheduler-port", "0"}, {}, dir_ / "e.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
+    EXPECT_NE(p.Output().find("no cluster token: set DSYNC_TOKEN"), std::string::npos)
+        << p.Output();
+    Proc q({DSYNC_BINARY, "worker", "--insecure", "--scheduler-port", "1",
+            "--connect-timeout-ms", "100"},
+           {}, dir_ / "f.log");
+    EXPECT_EQ(WEXITSTATUS(q.Wait(20s)), 1);
+    const std::string out = q.Output();
+    const auto warned = out.find("running without a cluster token (--insecure)");
+    EXPECT_NE(warned, std::string::npos) << out;
+    EXPECT_EQ(out.find("running without a cluster token", warned + 1), std::string::npos)
+        << "one warning: " << out;
   }
 }
 

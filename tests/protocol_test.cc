@@ -2,9 +2,13 @@
 // truncated input, tokens compared in full.
 #include <gtest/gtest.h>
 
+#include "ps/commit_proof.h"
 #include "ps/handshake.h"
+#include "ps/keys.h"
 #include "ps/protocol.h"
+#include "ps/round_rule.h"
 #include "ps/slicing.h"
+#include "ps/staging_ledger.h"
 
 namespace dsync::ps {
 namespace {
@@ -28,21 +32,103 @@ TEST(FrameHeader, ValidatesMagicVersionAndLengths) {
   EXPECT_EQ(ValidateHeader(bad).code(), StatusCode::kProtocol);
 }
 
-TEST(MembersCodec, RoundTripsAndRejectsTruncation) {
-  std::vector<RoundMember> in = {{1000, 3, 1}, {1001, 4, 2}, {1007, 0, 0}};
+TEST(FrameHeader, EachMessageReadsItsOwnNamedFields) {
+  FrameHeader push = MakeHeader(MsgType::kPush, 1000);
+  push.set_tensor(7);
+  push.set_slice(3);
+  push.set_clock(41);
+  push.set_base(39);
+  EXPECT_EQ(push.tensor(), 7u);
+  EXPECT_EQ(push.slice(), 3u);
+  EXPECT_EQ(push.clock(), 41u);
+  EXPECT_EQ(push.base(), 39u);
+  FrameHeader err = MakeHeader(MsgType::kError, 1);
+  err.set_refused(MsgType::kCommit);
+  EXPECT_EQ(err.refused(), MsgType::kCommit);
+  FrameHeader gone = MakeHeader(MsgType::kWorkerGone, 0);
+  gone.set_gone_worker(1003);
+  gone.set_next_clock(58);
+  EXPECT_EQ(gone.gone_worker(), 1003u);
+  EXPECT_EQ(gone.next_clock(), 58u);
+  FrameHeader ack = MakeHeader(MsgType::kCommitAck, 0);
+  ack.set_round(12);
+  ack.set_min_version(kNoGate);
+  EXPECT_EQ(ack.round(), 12u);
+  EXPECT_EQ(ack.min_version(), kNoGate);
+  EXPECT_EQ(kProtocolVersion, 2u) << "the wire changed: credentials, receipts, named fields";
+}
+
+TEST(FrameHeader, StrangersMaySendOneSmallHelloOnly) {
+  FrameHeader hello = MakeHeader(MsgType::kHello, 0);
+  hello.meta_len = kMaxHelloMetaBytes;
+  EXPECT_TRUE(CheckUnauthenticatedFrame(hello).ok());
+  FrameHeader big = hello;
+  big.meta_len = kMaxHelloMetaBytes + 1;
+  EXPECT_EQ(CheckUnauthenticatedFrame(big).code(), StatusCode::kPermissionDenied);
+  FrameHeader payload = hello;
+  payload.payload_len = 2ull << 30;
+  EXPECT_EQ(CheckUnauthenticatedFrame(payload).code(), StatusCode::kPermissionDenied);
+  FrameHeader push = MakeHeader(MsgType::kPush, 0);
+  const Status st = CheckUnauthenticatedFrame(push);
+  EXPECT_EQ(st.code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(st.message().find("the first frame must be a hello"), std::string::npos);
+}
+
+TEST(RoundCodec, RoundTripsAndRejectsTruncationAndDisorder) {
+  std::vector<RoundEntry> in = {{{1000, 3, 1}, {{0, 6}}},
+                                {{1001, 4, 2}, {{0, 2}, {4, 1}}},
+                                {{1007, 0, 0}, {}}};
   std::vector<std::byte> buf;
-  EncodeMembers(in, buf);
-  std::vector<RoundMember> out;
-  ASSERT_TRUE(DecodeMembers(buf, out).ok());
-  EXPECT_EQ(out, in);
+  EncodeRound(in, buf);
+  std::vector<RoundEntry> out;
+  ASSERT_TRUE(DecodeRound(buf, out).ok());
+  ASSERT_EQ(out.size(), in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    EXPECT_EQ(out[i].member, in[i].member);
+    EXPECT_EQ(out[i].tensors, in[i].tensors);
+  }
+  EXPECT_TRUE(Contains(out[1].tensors, 4));
+  EXPECT_FALSE(Contains(out[1].tensors, 3));
+  EXPECT_EQ(TensorCount(out[0].tensors), 6u);
   for (size_t cut = 0; cut < buf.size(); ++cut) {
-    EXPECT_FALSE(DecodeMembers(std::span(buf).first(cut), out).ok()) << cut;
+    EXPECT_FALSE(DecodeRound(std::span(buf).first(cut), out).ok()) << cut;
   }
   buf.push_back(std::byte{0});
-  EXPECT_FALSE(DecodeMembers(buf, out).ok());
+  EXPECT_FALSE(DecodeRound(buf, out).ok());
   // A count claiming more members than the bytes could hold is refused before reserving.
   std::vector<std::byte> huge(4, std::byte{0xff});
-  EXPECT_FALSE(DecodeMembers(huge, out).ok());
+  EXPECT_FALSE(DecodeRound(huge, out).ok());
+  // Members out of worker order, overlapping tensor runs, empty runs: refused.
+  for (const auto& bad : std::vector<std::vector<RoundEntry>>{
+           {{{1001, 0, 0}, {}}, {{1000, 0, 0}, {}}},
+           {{{1000, 0, 0}, {{0, 3}, {2, 1}}}},
+           {{{1000, 0, 0}, {{5, 0}}}}}) {
+    EncodeRound(bad, buf);
+    EXPECT_FALSE(DecodeRound(buf, out).ok());
+  }
+}
+
+TEST(CommitCodec, RoundTripsAndRefusesATensorNamedTwice) {
+  CommitProof in;
+  in.receipts[0] = 0xab;
+  in.tensors = {{0, 3, 1}, {1, 1, 0}, {5, 2, 1}};
+  std::vector<std::byte> buf;
+  EncodeCommit(in, buf);
+  CommitProof out;
+  ASSERT_TRUE(DecodeCommit(buf, out).ok());
+  EXPECT_EQ(out.receipts, in.receipts);
+  EXPECT_EQ(out.tensors, in.tensors);
+  EXPECT_EQ(TensorsOf(out), (TensorSet{{0, 2}, {5, 1}}));
+  for (size_t cut = 0; cut < buf.size(); ++cut) {
+    EXPECT_FALSE(DecodeCommit(std::span(buf).first(cut), out).ok()) << cut;
+  }
+  // Twice (its receipts would cancel out in the XOR), out of order, or with no slices.
+  for (const auto& bad : std::vector<std::vector<CommittedTensor>>{
+           {{1, 1, 0}, {1, 1, 0}}, {{2, 1, 0}, {1, 1, 0}}, {{0, 0, 0}}}) {
+    in.tensors = bad;
+    EncodeCommit(in, buf);
+    EXPECT_FALSE(DecodeCommit(buf, out).ok());
+  }
 }
 
 TEST(InitCodec, RoundTripsAndRejectsGarbage) {
@@ -77,7 +163,12 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   w.optimizer.kind = OptimizerKind::kAdam;
   w.optimizer.lr = 0.125f;
   w.slice_bytes = 1 << 20;
-  w.servers = {{1, "a", 10}, {2, "b", 11}};
+  w.servers = {{1, "a", 10, {}}, {2, "b", 11, {}}};
+  w.servers[1].proof[3] = 9;
+  w.credential[0] = 0x5a;
+  w.job_key = JobKey{};
+  w.job_key->at(31) = 7;
+  w.num_servers = 2;
   w.join_round = 7;
   w.gate = 6;
   auto wb = DecodeWelcome(AsBytes(EncodeWelcome(w)));
@@ -87,8 +178,23 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   EXPECT_EQ(wb->optimizer, w.optimizer);
   ASSERT_EQ(wb->servers.size(), 2u);
   EXPECT_EQ(wb->servers[1].host, "b");
+  EXPECT_EQ(wb->servers[1].proof, w.servers[1].proof);
   EXPECT_EQ(wb->join_round, 7u);
   EXPECT_EQ(wb->gate, 6u);
+  EXPECT_EQ(wb->credential, w.credential);
+  EXPECT_EQ(wb->job_key, w.job_key);
+  EXPECT_EQ(wb->num_servers, 2u);
+
+  Hello worker;
+  worker.node = 1003;
+  worker.credential = w.credential;
+  auto wh = DecodeHello(AsBytes(EncodeHello(worker)));
+  ASSERT_TRUE(wh.ok());
+  EXPECT_EQ(wh->credential, w.credential);
+  // A credential that is not 32 hex digits is malformed, not merely wrong.
+  EXPECT_FALSE(DecodeHello(AsBytes(R"({"role":"worker","token":"","node":1000,"host":"",)"
+                                   R"("port":0,"credential":"xyz"})"))
+                   .ok());
 }
 
 TEST(Handshake, MalformedHellosAreRefusedNotThrown) {
@@ -128,6 +234,116 @@ TEST(Slicing, CutsTensorsAndBalancesSlicesOverServers) {
   for (TensorId t = 1; t <= 6; ++t) ++small[planner.Plan(t, 10)->slices[0].server];
   EXPECT_EQ(small, (std::vector<int>{2, 2, 2}));
   EXPECT_FALSE(planner.Plan(9, 0).ok());
+}
+
+TEST(Credentials, AreBoundToTheJobKeyTheIdAndTheKind) {
+  const JobKey key = RandomJobKey();
+  const JobKey other = RandomJobKey();
+  EXPECT_NE(key, other);
+  const Tag c = ClientCredential(key, 1000, false);
+  EXPECT_TRUE(TagsEqual(c, ClientCredential(key, 1000, false)));
+  EXPECT_FALSE(TagsEqual(c, ClientCredential(key, 1001, false)));
+  EXPECT_FALSE(TagsEqual(c, ClientCredential(key, 1000, true)));
+  EXPECT_FALSE(TagsEqual(c, ClientCredential(other, 1000, false)));
+  EXPECT_FALSE(TagsEqual(ServerProof(key, 1, 1000), ServerProof(key, 2, 1000)));
+  EXPECT_FALSE(TagsEqual(ServerProof(key, 1, 1000), ServerProof(key, 1, 1001)));
+  EXPECT_EQ(TagFromHex(ToHex(c)), c);
+  EXPECT_EQ(RandomToken().size(), 32u);
+  EXPECT_NE(RandomToken(), RandomToken());
+}
+
+// A worker's commit with the receipts the servers would give for what it pushed.
+CommitProof Honest(const JobKey& key, uint32_t servers, WorkerId w, Clock c,
+                   std::vector<CommittedTensor> tensors) {
+  CommitProof p;
+  p.tensors = std::move(tensors);
+  p.receipts = ExpectedReceipts(key, servers, w, c, p.tensors);
+  return p;
+}
+
+TEST(CommitProof, OnlyWhatEveryHoldingServerStagedIsPlaced) {
+  const JobKey key = RandomJobKey();
+  // Tensor 0: 5 slices over 3 servers from rank 1 (ranks 1, 2, 0, 1, 2); tensor 1: one
+  // slice on rank 0.
+  const std::vector<CommittedTensor> both = {{0, 5, 1}, {1, 1, 0}};
+  EXPECT_TRUE(VerifyCommit(key, 3, 1000, 7, false, Honest(key, 3, 1000, 7, both)).ok());
+  // Receipts of another clock, worker or job do not prove this one.
+  EXPECT_EQ(VerifyCommit(key, 3, 1000, 8, false, Honest(key, 3, 1000, 7, both)).code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_FALSE(VerifyCommit(key, 3, 1001, 7, false, Honest(key, 3, 1000, 7, both)).ok());
+  EXPECT_FALSE(VerifyCommit(RandomJobKey(), 3, 1000, 7, false, Honest(key, 3, 1000, 7, both)).ok());
+  // A commit with no push at all, claiming a gradient.
+  CommitProof nothing;
+  nothing.tensors = both;
+  const Status none = VerifyCommit(key, 3, 1000, 7, false, nothing);
+  EXPECT_EQ(none.code(), StatusCode::kPermissionDenied);
+  EXPECT_NE(none.message().find("not proved by the servers' receipts"), std::string::npos);
+  // Tensor 0 staged on ranks 1 and 2 only (rank 0 missing): one receipt short.
+  CommitProof partial = Honest(key, 3, 1000, 7, both);
+  XorInto(partial.receipts, Receipt(key, {kFirstServerId + 0, 1000, 7, 0, 5, 1}));
+  EXPECT_FALSE(VerifyCommit(key, 3, 1000, 7, false, partial).ok());
+  // Claiming fewer slices or another placement than the servers attested.
+  CommitProof fewer = Honest(key, 3, 1000, 7, both);
+  fewer.tensors[0].slices = 2;
+  EXPECT_FALSE(VerifyCommit(key, 3, 1000, 7, false, fewer).ok());
+  CommitProof moved = Honest(key, 3, 1000, 7, both);
+  moved.tensors[0].first_rank = 2;
+  EXPECT_FALSE(VerifyCommit(key, 3, 1000, 7, false, moved).ok());
+  CommitProof nowhere = Honest(key, 3, 1000, 7, {{0, 5, 3}});
+  EXPECT_EQ(VerifyCommit(key, 3, 1000, 7, false, nowhere).code(), StatusCode::kInvalidArgument);
+  // Empty commits carry nothing; a gradient commit names something.
+  EXPECT_TRUE(VerifyCommit(key, 3, 1000, 7, true, CommitProof{}).ok());
+  EXPECT_FALSE(VerifyCommit(key, 3, 1000, 7, true, Honest(key, 3, 1000, 7, both)).ok());
+  EXPECT_EQ(VerifyCommit(key, 3, 1000, 7, false, CommitProof{}).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(StagingLedger, ReceiptsComeWhenEverySliceHereIsStaged) {
+  const JobKey key = RandomJobKey();
+  StagingLedger ledger;
+  ledger.Configure(key, kFirstServerId + 1, 3, 4);  // rank 1 of 3, window 4
+  // Tensor 0: 5 slices from rank 1 -> slices 0 and 3 live on rank 1.
+  ASSERT_TRUE(ledger.Place(0, 5, 0).ok());
+  ASSERT_TRUE(ledger.Place(0, 5, 3).ok());
+  const Status wrong = ledger.Place(0, 5, 1);  // slice 1 is rank 2's
+  EXPECT_EQ(wrong.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(wrong.message().find("does not belong on server rank 1"), std::string::npos);
+  std::optional<Tag> receipt;
+  ASSERT_TRUE(ledger.Staged(1000, 0, 0, &receipt).ok());
+  EXPECT_FALSE(receipt.has_value()) << "slice 3 is not staged yet";
+  ASSERT_TRUE(ledger.Staged(1000, 0, 0, &receipt).ok());
+  ASSERT_TRUE(receipt.has_value());
+  EXPECT_TRUE(TagsEqual(*receipt, Receipt(key, {kFirstServerId + 1, 1000, 0, 0, 5, 1})));
+}
+
+TEST(StagingLedger, AWorkerHoldsAtMostItsWindowOfClocks) {
+  StagingLedger ledger;
+  ledger.Configure(RandomJobKey(), kFirstServerId, 1, 3);
+  ASSERT_TRUE(ledger.Place(0, 2, 0).ok());
+  std::optional<Tag> receipt;
+  for (Clock c = 0; c < 3; ++c) ASSERT_TRUE(ledger.Staged(1000, c, 0, &receipt).ok()) << c;
+  // A fourth clock is refused; more slices of a clock already staged are not.
+  const Status over = ledger.Admit(1000, 3);
+  EXPECT_EQ(over.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.message().find("3 clocks staged"), std::string::npos) << over.message();
+  EXPECT_TRUE(ledger.Admit(1000, 2).ok());
+  EXPECT_TRUE(ledger.Admit(1001, 0).ok()) << "another worker has a quota of its own";
+  // Applied: room again, and the applied clock cannot be pushed a second time.
+  ledger.Applied(1000, 0);
+  EXPECT_TRUE(ledger.Admit(1000, 3).ok());
+  EXPECT_EQ(ledger.Admit(1000, 0).code(), StatusCode::kFailedPrecondition);
+  // Gone from clock 2 on: those are reclaimed.
+  ledger.Gone(1000, 2);
+  EXPECT_TRUE(ledger.Admit(1000, 4).ok());
+  EXPECT_TRUE(ledger.Admit(1000, 5).ok());
+}
+
+TEST(StagingWindow, IsWhatTheGatesLetAnHonestWorkerHaveInFlight) {
+  EXPECT_EQ(StagingWindow(SyncMode::Bsp()), 2u);
+  EXPECT_EQ(StagingWindow(SyncMode::Dsync(4, 3)), 6u);
+  EXPECT_EQ(StagingWindow(SyncMode::Auto(4)), 6u);
+  EXPECT_EQ(StagingWindow(SyncMode::Dsync(UINT32_MAX - 1)), UINT32_MAX);
+  EXPECT_EQ(StagingWindow(SyncMode::Asp()), kAspBacklog + 2);
 }
 
 }  // namespace

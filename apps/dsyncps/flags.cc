@@ -16,6 +16,9 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
   app.add_option("--port", c.port, "port this node listens on; 0 picks one (DSYNC_PORT)")
       ->capture_default_str();
   app.add_option("--token", c.token, "cluster token shared by every node (DSYNC_TOKEN)");
+  app.add_flag("--insecure", c.insecure,
+               "run without a cluster token: anyone who reaches the ports may join "
+               "(DSYNC_INSECURE=1)");
   app.add_option("--heartbeat-ms", c.heartbeat_interval_ms, "heartbeat interval (DSYNC_HEARTBEAT_MS)")
       ->capture_default_str();
   app.add_option("--heartbeat-timeout-ms", c.heartbeat_timeout_ms,

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <map>
 #include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -20,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "launcher.h"
+#include "ps/keys.h"
 #include "roles.h"
 
 namespace dsync::app {
@@ -49,11 +49,6 @@ int g_signal_pipe[2] = {-1, -1};
 void OnSignal(int sig) {
   const char c = static_cast<char>(sig);
   (void)!write(g_signal_pipe[1], &c, 1);
-}
-
-std::string RandomToken() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}", rd(), rd());
 }
 
 // fork + exec of `self` with the given arguments and extra environment; the child's stdout
@@ -204,7 +199,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
   std::map<std::string, std::string> env = {
       {"DSYNC_SCHEDULER_URI", job.bind_host},
       {"DSYNC_INTERFACE", job.bind_host},
-      {"DSYNC_TOKEN", job.token.empty() ? RandomToken() : job.token},
+      // A job on one machine gets a fresh random token unless one is given.
+      {"DSYNC_TOKEN", job.token.empty() ? ps::RandomToken() : job.token},
       {"DSYNC_NUM_SERVERS", std::to_string(plan.servers)},
       {"DSYNC_NUM_WORKERS", std::to_string(initial)},
       {"DSYNC_SYNC", job.sync.ToString()},

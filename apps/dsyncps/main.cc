@@ -235,6 +235,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
     return 2;
   }
+  if (config.token.empty() && role != dsync::Role::kScheduler) {  // the scheduler says it itself
+    spdlog::warn("{}: running without a cluster token (--insecure): anyone who can reach the "
+                 "job's ports may join it",
+                 dsync::RoleName(role));
+  }
   switch (role) {
     case dsync::Role::kScheduler: return dsync::app::RunScheduler(config);
     case dsync::Role::kServer: return dsync::app::RunServer(config);

@@ -78,8 +78,11 @@ struct Config {
   std::string bind_host = "127.0.0.1";
   // Port a server listens on (0: any free port, announced to the scheduler).
   uint16_t port = 0;
-  // Cluster token: a peer that does not present it is refused before it can join or push.
+  // Cluster token: a peer that does not present it is refused before it can ask to join.
+  // Admitted nodes get credentials of their own from the scheduler (docs/contract.md).
   std::string token;
+  // Run without a token (everyone who reaches the ports may join): refused unless set.
+  bool insecure = false;
 
   uint32_t num_servers = 1;
   // Workers that must join before round 0 opens; later workers join a running job.
@@ -104,6 +107,11 @@ struct Config {
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_timeout_ms = 5000;
   uint32_t connect_timeout_ms = 30000;
+  // Inbound connections that have not authenticated: dropped after this long, and capped in
+  // number per listener and per source address.
+  uint32_t handshake_timeout_ms = 10000;
+  uint32_t max_pending_connections = 64;
+  uint32_t max_pending_per_source = 16;
 
   // tcp | rdma (libibverbs; a clear error where no RDMA device is usable) | auto (rdma when
   // a usable device exists, else tcp)

@@ -26,6 +26,7 @@ enum class StatusCode : int {
   kAborted = 10,          // the operation was cancelled (shutdown, peer died)
   kInternal = 11,
   kUnimplemented = 12,
+  kResourceExhausted = 13,  // over a quota or a cap (staging, connections)
 };
 
 std::string_view StatusCodeName(StatusCode code);

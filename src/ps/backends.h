@@ -12,6 +12,8 @@
 namespace dsync::ps {
 
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config);
+// The limits on strangers a node's transport applies, from its configuration.
+AdmissionLimits AdmissionLimitsOf(const Config& config);
 Result<std::unique_ptr<ParamStore>> MakeParamStore(const Config& config);
 
 }  // namespace dsync::ps

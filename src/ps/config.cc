@@ -185,6 +185,12 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   c.port = static_cast<uint16_t>(own_port);
   if (const std::string* v = get({"DSYNC_INTERFACE", "DMLC_NODE_HOST"})) c.bind_host = *v;
   if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
+  if (const std::string* v = get({"DSYNC_INSECURE"})) {
+    if (*v != "0" && *v != "1") {
+      return Error(StatusCode::kInvalidArgument, "DSYNC_INSECURE='{}' is not 0 or 1", *v);
+    }
+    c.insecure = *v == "1";
+  }
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER"}, &c.num_servers));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER"}, &c.num_workers));
   if (const std::string* v = get({"DSYNC_SYNC"})) {
@@ -216,6 +222,9 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_MS"}, &c.heartbeat_interval_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HANDSHAKE_TIMEOUT_MS"}, &c.handshake_timeout_ms));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_MAX_PENDING_CONNECTIONS"}, &c.max_pending_connections));
+  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_MAX_PENDING_PER_SOURCE"}, &c.max_pending_per_source));
   if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
   if (const std::string* v = get({"DSYNC_RDMA_DEVICE"})) c.rdma_device = *v;
   if (const std::string* v = get({"DSYNC_GID_INDEX"})) {
@@ -278,6 +287,10 @@ Status Config::Validate() const {
                  "heartbeat timeout ({} ms) must exceed the heartbeat interval ({} ms)",
                  heartbeat_timeout_ms, heartbeat_interval_ms);
   }
+  if (handshake_timeout_ms == 0 || max_pending_connections == 0 || max_pending_per_source == 0) {
+    return Error(StatusCode::kInvalidArgument,
+                 "the handshake timeout and the pending-connection caps must be at least 1");
+  }
   if (transport != "tcp" && transport != "rdma" && transport != "auto") {
     return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
                  transport);
@@ -299,6 +312,13 @@ Status Config::Validate() const {
   }
   if (!(optimizer.lr >= 0.0f)) {
     return Error(StatusCode::kInvalidArgument, "learning rate {} must be >= 0", optimizer.lr);
+  }
+  // Last: a setting that cannot work is the more useful message.
+  if (token.empty() && !insecure) {
+    return Error(StatusCode::kInvalidArgument,
+                 "no cluster token: set DSYNC_TOKEN (or --token) to the same secret on every "
+                 "node, or run with --insecure (DSYNC_INSECURE=1) on a network where everyone "
+                 "who can reach these ports may join the job");
   }
   return Status::Ok();
 }

@@ -30,9 +30,20 @@ Status Field(const json& j, const char* key, T* out) {
 
 }  // namespace
 
+// A hex-encoded tag field; absent is allowed where `optional`.
+Status TagField(const json& j, const char* key, Tag* out) {
+  std::string hex;
+  DSYNC_RETURN_IF_ERROR(Field(j, key, &hex));
+  auto tag = TagFromHex(hex);
+  if (!tag) return Error(StatusCode::kProtocol, "handshake field '{}' is not a credential", key);
+  *out = *tag;
+  return Status::Ok();
+}
+
 std::string EncodeHello(const Hello& h) {
   json j = {{"role", RoleName(h.role)}, {"token", h.token}, {"node", h.node},
             {"host", h.host},           {"port", h.port},    {"observer", h.observer}};
+  if (h.credential) j["credential"] = ToHex(*h.credential);
   return j.dump();
 }
 
@@ -47,6 +58,11 @@ Result<Hello> DecodeHello(std::span<const std::byte> meta) {
   DSYNC_RETURN_IF_ERROR(Field(j, "host", &h.host));
   DSYNC_RETURN_IF_ERROR(Field(j, "port", &h.port));
   if (j.contains("observer")) DSYNC_RETURN_IF_ERROR(Field(j, "observer", &h.observer));
+  if (j.contains("credential")) {
+    Tag t;
+    DSYNC_RETURN_IF_ERROR(TagField(j, "credential", &t));
+    h.credential = t;
+  }
   return h;
 }
 
@@ -62,7 +78,7 @@ Result<Hello> AcceptHello(std::span<const std::byte> meta, const std::string& to
 std::string EncodeWelcome(const Welcome& w) {
   json servers = json::array();
   for (const ServerAddress& s : w.servers) {
-    servers.push_back({{"id", s.id}, {"host", s.host}, {"port", s.port}});
+    servers.push_back({{"id", s.id}, {"host", s.host}, {"port", s.port}, {"proof", ToHex(s.proof)}});
   }
   const OptimizerConfig& o = w.optimizer;
   json j = {{"id", w.id},
@@ -77,7 +93,10 @@ std::string EncodeWelcome(const Welcome& w) {
             {"join_round", w.join_round},
             {"start_clock", w.start_clock},
             {"gate", w.gate},
-            {"observer", w.observer}};
+            {"observer", w.observer},
+            {"credential", ToHex(w.credential)},
+            {"num_servers", w.num_servers}};
+  if (w.job_key) j["job_key"] = ToHex(*w.job_key);
   return j.dump();
 }
 
@@ -109,12 +128,21 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     DSYNC_RETURN_IF_ERROR(Field(s, "id", &a.id));
     DSYNC_RETURN_IF_ERROR(Field(s, "host", &a.host));
     DSYNC_RETURN_IF_ERROR(Field(s, "port", &a.port));
+    DSYNC_RETURN_IF_ERROR(TagField(s, "proof", &a.proof));
     w.servers.push_back(std::move(a));
   }
   DSYNC_RETURN_IF_ERROR(Field(j, "join_round", &w.join_round));
   DSYNC_RETURN_IF_ERROR(Field(j, "start_clock", &w.start_clock));
   DSYNC_RETURN_IF_ERROR(Field(j, "gate", &w.gate));
   if (j.contains("observer")) DSYNC_RETURN_IF_ERROR(Field(j, "observer", &w.observer));
+  DSYNC_RETURN_IF_ERROR(TagField(j, "credential", &w.credential));
+  DSYNC_RETURN_IF_ERROR(Field(j, "num_servers", &w.num_servers));
+  if (j.contains("job_key")) {
+    std::string hex;
+    DSYNC_RETURN_IF_ERROR(Field(j, "job_key", &hex));
+    w.job_key = JobKeyFromHex(hex);
+    if (!w.job_key) return Error(StatusCode::kProtocol, "handshake field 'job_key' is not a key");
+  }
   return w;
 }
 
@@ -133,9 +161,9 @@ Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& e
   FrameHeader h = MakeHeader(MsgType::kError, self);
   h.status = static_cast<uint16_t>(error.code());
   h.request = about.request;
-  h.tensor = about.tensor;
-  h.slice = about.slice;
-  h.round = about.type;  // which kind of request was refused
+  h.set_tensor(about.tensor());
+  h.set_slice(about.slice());
+  h.set_refused(about.msg_type());
   const std::string& text = error.message();
   const size_t n = std::min<size_t>(text.size(), kMaxMetaBytes);
   SendDone then;

@@ -1,10 +1,12 @@
-// The first frames on every connection: kHello carries who the peer is and the cluster
-// token (DESIGN.md §6: a peer without it is refused before it can join or push); kHelloAck
-// carries what the joining node needs to know about the job. Both are JSON: rare, small,
-// and easy to extend without breaking the frame format.
+// The first frames on every connection (docs/contract.md, "Trust"). To the scheduler, kHello
+// carries the cluster token, which only lets a node ask to be admitted; kHelloAck carries
+// what the admitted node needs to know about the job, its credential among it. To a server,
+// a worker's kHello carries its credential, and the server's kHelloAck proves the server.
+// Hellos and welcomes are JSON: rare, small, and easy to extend.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "dsync/config.h"
 #include "dsync/status.h"
 #include "dsync/types.h"
+#include "ps/keys.h"
 #include "ps/protocol.h"
 #include "ps/transport.h"
 
@@ -23,7 +26,8 @@ struct Hello {
   NodeId node = 0;        // worker -> server: the worker id the scheduler assigned
   std::string host;       // server -> scheduler: where workers reach it
   uint16_t port = 0;
-  bool observer = false;  // worker -> scheduler: a read-only client (Config::observer)
+  bool observer = false;  // a read-only client (Config::observer)
+  std::optional<Tag> credential;  // worker/observer -> server: from its welcome
 };
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::span<const std::byte> meta);
@@ -34,6 +38,7 @@ struct ServerAddress {
   NodeId id = 0;
   std::string host;
   uint16_t port = 0;
+  Tag proof{};  // what this server must answer the client's hello with
 };
 
 // What the scheduler tells a node that joined.
@@ -48,12 +53,18 @@ struct Welcome {
   Clock start_clock = 0;
   Version gate = 0;
   bool observer = false;               // admitted read-only
+  Tag credential{};                    // workers and observers: present it to the servers
+  std::optional<JobKey> job_key;       // servers: to check credentials, prove, sign receipts
+  uint32_t num_servers = 0;            // servers: for the slice placement of receipts
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);
 
 // Compares tokens in time independent of where they differ.
 bool TokenMatches(const std::string& expected, const std::string& presented);
+
+// The rank (0..S-1) of a server id.
+inline uint32_t ServerRank(NodeId server) { return server - kFirstServerId; }
 
 // Sends a kError frame answering `about` (request, tensor and slice echoed). With
 // `close_after`, the connection is dropped once the frame has left: closing at once would

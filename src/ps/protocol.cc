@@ -8,6 +8,7 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kHelloAck: return "hello-ack";
     case MsgType::kError: return "error";
     case MsgType::kHeartbeat: return "heartbeat";
+    case MsgType::kPending: return "pending";
     case MsgType::kBegin: return "begin";
     case MsgType::kCommit: return "commit";
     case MsgType::kCommitAck: return "commit-ack";
@@ -18,6 +19,7 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kWorkerGone: return "worker-gone";
     case MsgType::kApplied: return "applied";
     case MsgType::kShutdown: return "shutdown";
+    case MsgType::kReady: return "ready";
     case MsgType::kInit: return "init";
     case MsgType::kInitAck: return "init-ack";
     case MsgType::kPush: return "push";
@@ -64,32 +66,147 @@ bool MetaReader::GetString(std::string* s) {
   return true;
 }
 
-void EncodeMembers(std::span<const RoundMember> members, std::vector<std::byte>& out) {
-  MetaWriter w(out);
-  w.Put(static_cast<uint32_t>(members.size()));
-  for (const RoundMember& m : members) {
-    w.Put(m.worker);
-    w.Put(m.clock);
-    w.Put(m.base);
+Status CheckUnauthenticatedFrame(const FrameHeader& h) {
+  if (h.msg_type() != MsgType::kHello || h.meta_len > kMaxHelloMetaBytes || h.payload_len != 0) {
+    return Error(StatusCode::kPermissionDenied,
+                 "the first frame must be a hello of at most {} bytes without payload (got {} "
+                 "with {} bytes of metadata and {} of payload)",
+                 kMaxHelloMetaBytes, MsgTypeName(h.msg_type()), h.meta_len, h.payload_len);
+  }
+  return Status::Ok();
+}
+
+bool Contains(const TensorSet& set, TensorId tensor) {
+  for (const TensorRange& r : set) {
+    if (tensor >= r.first && tensor - r.first < r.count) return true;
+  }
+  return false;
+}
+
+uint64_t TensorCount(const TensorSet& set) {
+  uint64_t n = 0;
+  for (const TensorRange& r : set) n += r.count;
+  return n;
+}
+
+namespace {
+
+constexpr size_t kRangeBytes = 2 * sizeof(uint32_t);
+constexpr size_t kRoundEntryMinBytes = sizeof(WorkerId) + 2 * sizeof(uint64_t) + sizeof(uint32_t);
+constexpr size_t kCommittedTensorBytes = 3 * sizeof(uint32_t);
+
+void PutTensors(MetaWriter& w, const TensorSet& set) {
+  w.Put(static_cast<uint32_t>(set.size()));
+  for (const TensorRange& r : set) {
+    w.Put(r.first);
+    w.Put(r.count);
   }
 }
 
-Status DecodeMembers(std::span<const std::byte> meta, std::vector<RoundMember>& out) {
+// Ascending, non-empty, non-overlapping runs: what the encoder writes, so a server never has
+// to make sense of anything else.
+bool GetTensors(MetaReader& r, size_t meta_size, TensorSet* set) {
+  uint32_t n = 0;
+  if (!r.Get(&n) || n > meta_size / kRangeBytes) return false;
+  set->clear();
+  uint64_t next = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    TensorRange t;
+    if (!r.Get(&t.first) || !r.Get(&t.count) || t.count == 0 || t.first < next ||
+        uint64_t{t.first} + t.count > (uint64_t{1} << 32)) {
+      return false;
+    }
+    next = uint64_t{t.first} + t.count;
+    set->push_back(t);
+  }
+  return true;
+}
+
+}  // namespace
+
+void EncodeRound(std::span<const RoundEntry> entries, std::vector<std::byte>& out) {
+  MetaWriter w(out);
+  w.Put(static_cast<uint32_t>(entries.size()));
+  for (const RoundEntry& e : entries) {
+    w.Put(e.member.worker);
+    w.Put(e.member.clock);
+    w.Put(e.member.base);
+    PutTensors(w, e.tensors);
+  }
+}
+
+Status DecodeRound(std::span<const std::byte> meta, std::vector<RoundEntry>& out) {
   MetaReader r(meta);
   uint32_t n = 0;
   out.clear();
-  if (!r.Get(&n) || n > meta.size() / 20) {
+  if (!r.Get(&n) || n > meta.size() / kRoundEntryMinBytes) {
     return Error(StatusCode::kProtocol, "round member list is truncated");
   }
   for (uint32_t i = 0; i < n; ++i) {
-    RoundMember m;
-    if (!r.Get(&m.worker) || !r.Get(&m.clock) || !r.Get(&m.base)) {
+    RoundEntry e;
+    if (!r.Get(&e.member.worker) || !r.Get(&e.member.clock) || !r.Get(&e.member.base)) {
       return Error(StatusCode::kProtocol, "round member list is truncated");
     }
-    out.push_back(m);
+    if (!GetTensors(r, meta.size(), &e.tensors)) {
+      return Error(StatusCode::kProtocol, "round member {}: its tensor list is malformed",
+                   e.member.worker);
+    }
+    if (!out.empty() && out.back().member.worker >= e.member.worker) {
+      return Error(StatusCode::kProtocol,
+                   "round members are not in ascending worker order ({} after {})",
+                   e.member.worker, out.back().member.worker);
+    }
+    out.push_back(std::move(e));
   }
   if (!r.done()) return Error(StatusCode::kProtocol, "round member list has trailing bytes");
   return Status::Ok();
+}
+
+void EncodeCommit(const CommitProof& proof, std::vector<std::byte>& out) {
+  MetaWriter w(out);
+  w.Put(proof.receipts);
+  w.Put(static_cast<uint32_t>(proof.tensors.size()));
+  for (const CommittedTensor& t : proof.tensors) {
+    w.Put(t.tensor);
+    w.Put(t.slices);
+    w.Put(t.first_rank);
+  }
+}
+
+Status DecodeCommit(std::span<const std::byte> meta, CommitProof& out) {
+  MetaReader r(meta);
+  uint32_t n = 0;
+  out.tensors.clear();
+  if (!r.Get(&out.receipts) || !r.Get(&n) || n > meta.size() / kCommittedTensorBytes) {
+    return Error(StatusCode::kProtocol, "commit metadata is truncated");
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    CommittedTensor t;
+    if (!r.Get(&t.tensor) || !r.Get(&t.slices) || !r.Get(&t.first_rank)) {
+      return Error(StatusCode::kProtocol, "commit metadata is truncated");
+    }
+    // Each tensor once: a tensor named twice would cancel its own receipts in the XOR.
+    if (t.slices == 0 || (!out.tensors.empty() && t.tensor <= out.tensors.back().tensor)) {
+      return Error(StatusCode::kProtocol,
+                   "commit metadata names tensor {} out of order, twice or with no slices",
+                   t.tensor);
+    }
+    out.tensors.push_back(t);
+  }
+  if (!r.done()) return Error(StatusCode::kProtocol, "commit metadata has trailing bytes");
+  return Status::Ok();
+}
+
+TensorSet TensorsOf(const CommitProof& proof) {
+  TensorSet set;
+  for (const CommittedTensor& t : proof.tensors) {
+    if (!set.empty() && set.back().first + set.back().count == t.tensor) {
+      ++set.back().count;
+    } else {
+      set.push_back({t.tensor, 1});
+    }
+  }
+  return set;
 }
 
 void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out) {

@@ -6,6 +6,7 @@
 // struct, so its layout is pinned by static_asserts below.
 #pragma once
 
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -24,64 +25,106 @@ namespace dsync::ps {
 static_assert(std::endian::native == std::endian::little, "the wire format is little-endian");
 
 constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
-constexpr uint16_t kProtocolVersion = 1;
-// Bounds checked before anything is allocated or read (DESIGN.md §6).
+// 2: node credentials, push receipts and proved commits; per-message header fields.
+constexpr uint16_t kProtocolVersion = 2;
+// Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
+// What a peer that has not proved who it is may send: one hello of at most this much
+// metadata and no payload. Nothing more is read from it.
+constexpr uint32_t kMaxHelloMetaBytes = 4096;
 
 enum class MsgType : uint16_t {
   // any connection
-  kHello = 1,      // meta: JSON {role, token, ...}; first frame on every connection
-  kHelloAck = 2,   // meta: JSON (job configuration for the joining node)
-  kError = 3,      // status = StatusCode, meta = message, request = the refused request
+  kHello = 1,      // meta: JSON {role, token, node, credential, ...}; first frame everywhere
+  kHelloAck = 2,   // scheduler: meta = JSON welcome; server: meta = its proof (Tag)
+  kError = 3,      // status = StatusCode, meta = message, refused() = the refused type
   kHeartbeat = 4,
+  kPending = 5,    // scheduler -> joining node: hello accepted, admission waits; meta = why
   // worker <-> scheduler
-  kBegin = 10,     // round = clock, aux = base version the worker now computes on
-  kCommit = 11,    // round = clock, aux = base; the clock's pushes are all acknowledged;
+  kBegin = 10,     // clock(), base(): the worker now computes that clock on that version
+  kCommit = 11,    // clock(), base(); meta = CommitProof (receipts, tensors pushed);
                    // flags & kFlagEmpty: nothing was pushed for this clock
-  kCommitAck = 12, // round = assigned round, aux = min version for the next pull (or kNoGate);
-                   // flags & kFlagStop: the job's gradient budget is spent
-  kGate = 13,      // round = clock, aux = min version for pulls at that clock (ssp)
+  kCommitAck = 12, // round(): where it lands; min_version(): gate of the next pulls (or
+                   // kNoGate); flags & kFlagStop: the job's gradient budget is spent
+  kGate = 13,      // clock(), min_version(): the gate for pulls at that clock (ssp)
   kLeave = 14,
   kLeaveAck = 15,
   // server <-> scheduler
-  kRound = 20,      // round = R, meta = RoundMember[]: the gradients round R applies
-  kWorkerGone = 21, // sender-independent: tensor = worker id, round = its last committed clock + 1
-  kApplied = 22,    // round = R: the server applied round R
+  kRound = 20,      // round(); meta = RoundMember[] with their tensors, in summation order
+  kWorkerGone = 21, // gone_worker(), next_clock(): anything it staged from there on is void
+  kApplied = 22,    // round(): the server applied it
   kShutdown = 23,   // scheduler -> server: the job is over; -> observer: training is over,
-                    // round = the final version (read it, then leave)
+                    // final_version() (read it, then leave)
+  kReady = 24,      // server -> scheduler: welcome taken, it accepts clients now
   // worker <-> server
-  kInit = 30,      // tensor, slice, meta = InitMeta, payload = initial values
-  kInitAck = 31,   // aux = slice version
-  kPush = 32,      // tensor, slice, round = clock, aux = base, payload = gradient
-  kPushAck = 33,
-  kPull = 34,      // tensor, slice, aux = min version
-  kPullReply = 35, // tensor, slice, aux = version, payload = parameters
+  kInit = 30,      // tensor(), slice(); meta = InitMeta; payload = initial values
+  kInitAck = 31,   // slice_version()
+  kPush = 32,      // tensor(), slice(), clock(), base(); payload = gradient
+  kPushAck = 33,   // tensor(), slice(), clock(); meta: the receipt (Tag) when this push
+                   // completed the tensor on this server, else empty
+  kPull = 34,      // tensor(), slice(), min_version()
+  kPullReply = 35, // tensor(), slice(), slice_version(); payload = parameters
 };
 
 std::string_view MsgTypeName(MsgType type);
 
+// The 64-byte frame header. The fields every frame has are named; the four words whose
+// meaning depends on the type are read and written through the accessors below, named for
+// what each message carries (the enum above says which message carries which).
 struct FrameHeader {
   uint32_t magic = kFrameMagic;
-  uint16_t version = kProtocolVersion;
+  uint16_t version = kProtocolVersion;  // of the protocol
   uint16_t type = 0;
   uint32_t sender = 0;   // node id (informational; receivers trust the authenticated link)
-  uint32_t tensor = 0;
-  uint32_t slice = 0;
   uint8_t dtype = 0;
   uint8_t flags = 0;
   uint16_t status = 0;   // StatusCode in kError
-  uint64_t round = 0;
-  uint64_t aux = 0;
+  uint32_t id32[2] = {0, 0};  // per type: use the accessors
+  uint64_t word[2] = {0, 0};  // per type: use the accessors
   uint64_t request = 0;  // echoed in the reply
   uint32_t meta_len = 0;
   uint32_t reserved = 0;
   uint64_t payload_len = 0;
 
   MsgType msg_type() const { return static_cast<MsgType>(type); }
+
+  // kInit, kInitAck, kPush, kPushAck, kPull, kPullReply; echoed in kError.
+  TensorId tensor() const { return id32[0]; }
+  void set_tensor(TensorId t) { id32[0] = t; }
+  uint32_t slice() const { return id32[1]; }
+  void set_slice(uint32_t s) { id32[1] = s; }
+  // kBegin, kCommit, kPush, kPushAck, kGate: the worker's gradient counter.
+  Clock clock() const { return word[0]; }
+  void set_clock(Clock c) { word[0] = c; }
+  // kBegin, kCommit, kPush: the model version the gradient is computed on.
+  Version base() const { return word[1]; }
+  void set_base(Version v) { word[1] = v; }
+  // kCommitAck, kRound, kApplied.
+  Round round() const { return word[0]; }
+  void set_round(Round r) { word[0] = r; }
+  // kCommitAck, kGate, kPull: the lowest version the (next) pulls may return.
+  Version min_version() const { return word[1]; }
+  void set_min_version(Version v) { word[1] = v; }
+  // kInitAck, kPullReply: the slice's version.
+  Version slice_version() const { return word[0]; }
+  void set_slice_version(Version v) { word[0] = v; }
+  // kShutdown to an observer: the version training ended at.
+  Version final_version() const { return word[0]; }
+  void set_final_version(Version v) { word[0] = v; }
+  // kError: the type of the request refused.
+  MsgType refused() const { return static_cast<MsgType>(word[0]); }
+  void set_refused(MsgType t) { word[0] = static_cast<uint64_t>(t); }
+  // kWorkerGone: the worker, and the first clock of it that is void.
+  WorkerId gone_worker() const { return id32[0]; }
+  void set_gone_worker(WorkerId w) { id32[0] = w; }
+  Clock next_clock() const { return word[0]; }
+  void set_next_clock(Clock c) { word[0] = c; }
 };
 static_assert(sizeof(FrameHeader) == 64);
-static_assert(offsetof(FrameHeader, round) == 24);
+static_assert(std::is_trivially_copyable_v<FrameHeader> && std::is_standard_layout_v<FrameHeader>);
+static_assert(offsetof(FrameHeader, id32) == 16);
+static_assert(offsetof(FrameHeader, word) == 24);
 static_assert(offsetof(FrameHeader, payload_len) == 56);
 
 constexpr uint64_t kNoGate = ~0ull;
@@ -99,6 +142,9 @@ inline FrameHeader MakeHeader(MsgType type, NodeId sender) {
 // Checks what can be checked before reading further: magic, version, length bounds.
 // kProtocol for a bad magic (random bytes), kUnimplemented for another protocol version.
 Status ValidateHeader(const FrameHeader& header);
+// What a peer that has not authenticated yet may send (kMaxHelloMetaBytes): checked by the
+// transports from the header alone, so nothing more is read from a stranger.
+Status CheckUnauthenticatedFrame(const FrameHeader& header);
 
 // Little binary codec for control metadata, written into a reused buffer.
 class MetaWriter {
@@ -140,9 +186,42 @@ class MetaReader {
   size_t pos_ = 0;
 };
 
+// Tensors named by a commit or a round, as ascending runs of ids.
+struct TensorRange {
+  TensorId first = 0;
+  uint32_t count = 0;
+  bool operator==(const TensorRange&) const = default;
+};
+using TensorSet = std::vector<TensorRange>;
+bool Contains(const TensorSet& set, TensorId tensor);
+uint64_t TensorCount(const TensorSet& set);
+
+// One member of a round as the servers see it: which tensors its gradient covers (a commit
+// may cover some tensors only, Worker::Advance; empty for an empty commit).
+struct RoundEntry {
+  RoundMember member;
+  TensorSet tensors;
+};
 // kRound metadata: the members, in summation (worker-id) order.
-void EncodeMembers(std::span<const RoundMember> members, std::vector<std::byte>& out);
-Status DecodeMembers(std::span<const std::byte> meta, std::vector<RoundMember>& out);
+void EncodeRound(std::span<const RoundEntry> entries, std::vector<std::byte>& out);
+Status DecodeRound(std::span<const std::byte> meta, std::vector<RoundEntry>& out);
+
+// kCommit metadata: what the worker claims it pushed (each tensor with the placement of its
+// slices: how many, and the server rank of slice 0), and the XOR of the servers' receipts
+// for it. The scheduler recomputes the receipts from the claims, so a false claim fails.
+struct CommittedTensor {
+  TensorId tensor = 0;
+  uint32_t slices = 0;
+  uint32_t first_rank = 0;
+  bool operator==(const CommittedTensor&) const = default;
+};
+struct CommitProof {
+  std::array<uint8_t, 16> receipts{};
+  std::vector<CommittedTensor> tensors;  // ascending ids, each once
+};
+void EncodeCommit(const CommitProof& proof, std::vector<std::byte>& out);
+Status DecodeCommit(std::span<const std::byte> meta, CommitProof& out);
+TensorSet TensorsOf(const CommitProof& proof);
 
 // kInit metadata: identifies the tensor so that workers registering different tensors under
 // one id are caught.

@@ -4,6 +4,16 @@
 
 namespace dsync::ps {
 
+uint32_t StagingWindow(const SyncMode& mode) {
+  switch (mode.kind) {
+    case SyncKind::kRound:
+      return static_cast<uint32_t>(std::min<uint64_t>(uint64_t{mode.bound} + 2, UINT32_MAX));
+    case SyncKind::kSsp: return 3;
+    case SyncKind::kAsp: return kAspBacklog + 2;
+  }
+  return 2;
+}
+
 RoundRule::RoundRule(SyncMode mode) : mode_(mode) {
   if (mode_.kind == SyncKind::kRound && mode_.bound == 0) mode_.quorum = SyncMode::kAll;
 }
@@ -120,7 +130,9 @@ Result<CommitResult> RoundRule::Commit(WorkerId id, Clock clock, Version base, b
   ready_.push_back(std::move(rec));
   result.round = open_round_ - 1;
   if (mode_.kind == SyncKind::kAsp) {
-    result.gate = 0;
+    // Pulls wait only when the servers have not applied this worker's gradients of more than
+    // kAspBacklog rounds ago: what bounds its staging on a server that falls behind.
+    result.gate = SaturatingSub(open_round_, kAspBacklog);
   } else if (SspGateOpen(w.next_clock)) {
     w.floor = open_round_;
     result.gate = w.floor;

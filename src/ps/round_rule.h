@@ -37,6 +37,14 @@
 
 namespace dsync::ps {
 
+// The most clocks of one worker a server may hold staged (pushed, not yet applied) when the
+// worker follows its pull gates: in round modes its queued gradients (at most D + 1 by the
+// gate) plus the clock it is pushing; in ssp its gate includes its own last round; in asp
+// the gate holds a pull back once the servers trail the worker's commits by
+// kAspBacklog rounds. Servers refuse pushes beyond it.
+uint32_t StagingWindow(const SyncMode& mode);
+constexpr uint32_t kAspBacklog = 6;
+
 struct Admission {
   Round join_round = 0;   // first round w counts toward quorum in
   Clock start_clock = 0;  // clock of w's first gradient

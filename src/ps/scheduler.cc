@@ -2,10 +2,17 @@
 // and broadcasts its decisions. Every handler runs under one mutex: the scheduler only sees
 // small control frames, and Transport::Send never blocks, so one lock keeps the decisions
 // simple to reason about without costing throughput.
+//
+// Trust (docs/contract.md): the cluster token only lets a node ask to join; admitted nodes
+// get credentials derived from a job key that only the scheduler and the servers hold, and a
+// commit is placed only when the servers' receipts prove its slices are staged
+// (commit_proof.h). Liveness: workers and servers heartbeat; a node judges no one silent for
+// a time during which it was itself stalled, nor while the peer's frames sit unread.
 #include "dsync/scheduler.h"
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -17,9 +24,12 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ps/audit_log.h"
 #include "ps/auto_policy.h"
 #include "ps/backends.h"
+#include "ps/commit_proof.h"
 #include "ps/handshake.h"
+#include "ps/keys.h"
 #include "ps/round_rule.h"
 
 namespace dsync {
@@ -31,7 +41,8 @@ using SteadyClock = std::chrono::steady_clock;
 class SchedulerNode final : public Scheduler, public TransportHandler {
  public:
   SchedulerNode(const Config& config, std::unique_ptr<Transport> transport)
-      : cfg_(config), transport_(std::move(transport)), rule_(config.sync) {
+      : cfg_(config), transport_(std::move(transport)), job_key_(RandomJobKey()),
+        rule_(config.sync) {
     if (config.sync.adaptive) {
       AutoPolicyOptions o;
       o.max_bound = config.sync.bound;
@@ -43,16 +54,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Stop();
     if (monitor_.joinable()) monitor_.join();
     transport_->Shutdown();
-    if (audit_) std::fclose(audit_);
   }
 
   Status Init() {
-    if (!cfg_.audit_log.empty()) {
-      audit_ = std::fopen(cfg_.audit_log.c_str(), "w");
-      if (!audit_) {
-        return Error(StatusCode::kInvalidArgument, "cannot write the audit log '{}'",
-                     cfg_.audit_log);
-      }
+    DSYNC_RETURN_IF_ERROR(audit_.Open(cfg_.audit_log));
+    if (cfg_.token.empty()) {
+      spdlog::warn("scheduler: running without a cluster token (--insecure): anyone who can "
+                   "reach {}:{} may join this job",
+                   cfg_.bind_host, cfg_.scheduler_port);
     }
     transport_->SetHandler(this);
     DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(cfg_.bind_host, cfg_.scheduler_port));
@@ -120,7 +129,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     const PeerInfo info = it->second;
     if (info.kind == PeerKind::kWorker) {
-      HandleWorker(peer, info.id, h);
+      HandleWorker(peer, info.id, h, meta);
     } else if (info.kind == PeerKind::kObserver) {
       if (h.msg_type() == MsgType::kLeave) {
         FrameHeader ack = MakeHeader(MsgType::kLeaveAck, kSchedulerId);
@@ -179,12 +188,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     std::string host;
     uint16_t port;
     Round applied = 0;  // rounds applied (its version)
+    SteadyClock::time_point last_seen;
+    bool ready = false;  // it took its welcome and accepts clients
   };
   struct WorkerEntry {
     PeerId peer;
     SteadyClock::time_point last_seen;
     Clock begun_clock = ~Clock{0};  // the clock its last begin reported, and when
     SteadyClock::time_point begun_at;
+    uint64_t committed = 0;  // gradients it committed (empty commits included)
   };
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
@@ -205,6 +217,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       Refuse(peer, h, hello.status(), true);
       return;
     }
+    if (hello->role != Role::kServer && hello->role != Role::kWorker) {
+      Refuse(peer, h, Error(StatusCode::kInvalidArgument, "only servers and workers join"), true);
+      return;
+    }
+    // The token is what lets a node ask; from here on it is no stranger to the transport.
+    transport_->Trust(peer);
     if (hello->role == Role::kServer) {
       if (servers_.size() >= cfg_.num_servers) {
         Refuse(peer, h,
@@ -214,19 +232,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         return;
       }
       const NodeId id = kFirstServerId + static_cast<NodeId>(servers_.size());
-      servers_.push_back({id, peer, hello->host, hello->port, 0});
+      servers_.push_back({id, peer, hello->host, hello->port, 0, SteadyClock::now(), false});
       peers_[peer] = {PeerKind::kServer, id};
       Welcome w = JobWelcome(id);
+      w.job_key = job_key_;
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = h.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
       spdlog::info("scheduler: server {} registered at {}:{} ({}/{})", id, hello->host,
                    hello->port, servers_.size(), cfg_.num_servers);
-      AdmitWaiting();
-      return;
-    }
-    if (hello->role != Role::kWorker) {
-      Refuse(peer, h, Error(StatusCode::kInvalidArgument, "only servers and workers join"), true);
       return;
     }
     if (hello->observer) {
@@ -234,6 +248,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       peers_[peer] = {PeerKind::kObserver, id};
       waiting_observers_.push_back({id, peer, h.request});
       AdmitWaiting();
+      TellWaiting();
       return;
     }
     const WorkerId id = next_worker_id_++;
@@ -241,6 +256,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     waiting_.emplace_back(id, peer);
     waiting_requests_[id] = h.request;
     AdmitWaiting();
+    TellWaiting();
   }
 
   Welcome JobWelcome(NodeId id) const {
@@ -250,18 +266,54 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.optimizer = cfg_.optimizer;
     w.slice_bytes = cfg_.slice_bytes;
     w.heartbeat_interval_ms = cfg_.heartbeat_interval_ms;
+    w.num_servers = cfg_.num_servers;
     return w;
+  }
+
+  // A client's welcome: its credential, and what each server will prove itself with.
+  Welcome ClientWelcome(NodeId id, bool observer) const {
+    Welcome w = JobWelcome(id);
+    w.observer = observer;
+    w.credential = ClientCredential(job_key_, id, observer);
+    for (const ServerEntry& s : servers_) {
+      w.servers.push_back({s.id, s.host, s.port, ServerProof(job_key_, s.id, id)});
+    }
+    return w;
+  }
+
+  // Nodes whose hello was accepted but whose admission waits hear why, now and every
+  // heartbeat interval: a scheduler that answers is not mistaken for a dead port.
+  void TellWaiting() {
+    if (waiting_.empty() && waiting_observers_.empty()) return;
+    std::string why =
+        !ServersReady()
+            ? fmt::format("waiting for {} more server(s) to register ({} of {})",
+                          cfg_.num_servers - servers_.size(), servers_.size(), cfg_.num_servers)
+            : fmt::format("waiting for {} more of the job's {} initial worker(s)",
+                          cfg_.num_workers - std::min<size_t>(cfg_.num_workers, waiting_.size()),
+                          cfg_.num_workers);
+    FrameHeader h = MakeHeader(MsgType::kPending, kSchedulerId);
+    for (const auto& [id, peer] : waiting_) {
+      (void)transport_->Send(peer, h, AsBytes(why), nullptr, 0);
+    }
+    for (const WaitingObserver& o : waiting_observers_) {
+      (void)transport_->Send(o.peer, h, AsBytes(why), nullptr, 0);
+    }
   }
 
   // Workers are admitted once every server is up; the first num_workers together, so that
   // they all count from round 0 (a reproducible start); later ones join the running job.
+  bool ServersReady() const {
+    return servers_.size() == cfg_.num_servers &&
+           std::all_of(servers_.begin(), servers_.end(),
+                       [](const ServerEntry& s) { return s.ready; });
+  }
+
   void AdmitWaiting() {
-    if (servers_.size() < cfg_.num_servers) return;
+    if (!ServersReady()) return;
     // Observers need only the servers: they never count in a round.
     for (const WaitingObserver& o : waiting_observers_) {
-      Welcome w = JobWelcome(o.id);
-      for (const ServerEntry& s : servers_) w.servers.push_back({s.id, s.host, s.port});
-      w.observer = true;
+      Welcome w = ClientWelcome(o.id, /*observer=*/true);
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = o.request;
       (void)transport_->Send(o.peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
@@ -285,15 +337,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         Refuse(peer, about, admission.status(), true);
         continue;
       }
-      Welcome w = JobWelcome(id);
-      for (const ServerEntry& s : servers_) w.servers.push_back({s.id, s.host, s.port});
+      Welcome w = ClientWelcome(id, /*observer=*/false);
       w.join_round = admission->join_round;
       w.start_clock = admission->start_clock;
       w.gate = admission->gate;
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = about.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
-      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}};
+      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0};
       if (policy_) policy_->Join(id);
       ++counters_.workers_joined;
       spdlog::info("scheduler: worker {} joined from {} (counts from round {}, live {})", id,
@@ -305,7 +356,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Progress();
   }
 
-  void HandleWorker(PeerId peer, WorkerId id, const FrameHeader& h) {
+  void HandleWorker(PeerId peer, WorkerId id, const FrameHeader& h,
+                    std::span<const std::byte> meta) {
     auto wit = workers_.find(id);
     if (wit == workers_.end()) {
       // Still waiting for admission, or already removed (declared dead, left).
@@ -324,49 +376,19 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       case MsgType::kHeartbeat:
         return;
       case MsgType::kBegin: {
-        Status s = rule_.Begin(id, h.round, h.aux);
+        Status s = rule_.Begin(id, h.clock(), h.base());
         if (!s.ok()) {
-          Refuse(peer, h, s, false);
+          Expel(peer, id, h, s);
           return;
         }
-        wit->second.begun_clock = h.round;
+        wit->second.begun_clock = h.clock();
         wit->second.begun_at = wit->second.last_seen;
         Progress();
         return;
       }
-      case MsgType::kCommit: {
-        const bool empty = (h.flags & kFlagEmpty) != 0;
-        if (policy_ && !empty && wit->second.begun_clock == h.round) {
-          // Begin -> commit: the worker's own compute and push time, without the waits
-          // the bound imposed on its pulls. Decided before the commit, so that its gate
-          // already follows the new allowance.
-          policy_->Observe(id, std::chrono::duration<double>(wit->second.last_seen -
-                                                             wit->second.begun_at)
-                                   .count());
-          Redecide();
-        }
-        auto r = rule_.Commit(id, h.round, h.aux, empty);
-        if (!r.ok()) {
-          Refuse(peer, h, r.status(), false);
-          return;
-        }
-        FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
-        ack.request = h.request;
-        ack.round = r->round;
-        ack.aux = r->gate.value_or(kNoGate);
-        if (cfg_.max_gradients && rule_.stats().gradients_committed >= cfg_.max_gradients) {
-          if (!budget_spent_) {
-            budget_spent_ = true;
-            spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
-                         "workers to stop",
-                         rule_.stats().gradients_committed);
-          }
-          ack.flags |= kFlagStop;
-        }
-        (void)SendControl(*transport_, peer, ack);
-        Progress();
+      case MsgType::kCommit:
+        HandleCommit(peer, id, wit->second, h, meta);
         return;
-      }
       case MsgType::kLeave: {
         // Acknowledge first: the removal may end the job, and Run() flushes what is queued.
         FrameHeader ack = MakeHeader(MsgType::kLeaveAck, kSchedulerId);
@@ -376,21 +398,86 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         return;
       }
       default:
-        Refuse(peer, h,
-               Error(StatusCode::kProtocol, "a worker may not send {} to the scheduler",
-                     MsgTypeName(h.msg_type())),
-               true);
+        Expel(peer, id, h,
+              Error(StatusCode::kProtocol, "a worker may not send {} to the scheduler",
+                    MsgTypeName(h.msg_type())));
+    }
+  }
+
+  void HandleCommit(PeerId peer, WorkerId id, WorkerEntry& entry, const FrameHeader& h,
+                    std::span<const std::byte> meta) {
+    const bool empty = (h.flags & kFlagEmpty) != 0;
+    CommitProof proof;
+    Status proved = DecodeCommit(meta, proof);
+    if (proved.ok()) {
+      proved = VerifyCommit(job_key_, static_cast<uint32_t>(servers_.size()), id, h.clock(),
+                            empty, proof);
+    }
+    if (!proved.ok()) {
+      Expel(peer, id, h, proved);
+      return;
+    }
+    if (policy_ && !empty && entry.begun_clock == h.clock()) {
+      // Begin -> commit: the worker's own compute and push time, without the waits the
+      // bound imposed on its pulls. Decided before the commit, so that its gate already
+      // follows the new allowance.
+      policy_->Observe(
+          id, std::chrono::duration<double>(entry.last_seen - entry.begun_at).count());
+      Redecide();
+    }
+    auto r = rule_.Commit(id, h.clock(), h.base(), empty);
+    if (!r.ok()) {
+      Expel(peer, id, h, r.status());
+      return;
+    }
+    ++entry.committed;
+    tensors_of_[{id, h.clock()}] = TensorsOf(proof);
+    FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
+    ack.request = h.request;
+    ack.set_round(r->round);
+    ack.set_min_version(r->gate.value_or(kNoGate));
+    if (cfg_.max_gradients && rule_.stats().gradients_committed >= cfg_.max_gradients) {
+      if (!budget_spent_) {
+        budget_spent_ = true;
+        spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
+                     "workers to stop",
+                     rule_.stats().gradients_committed);
+      }
+      ack.flags |= kFlagStop;
+    }
+    (void)SendControl(*transport_, peer, ack);
+    Progress();
+  }
+
+  // A worker whose request the scheduler refuses cannot go on with its clocks: it is told
+  // why, dropped, and declared failed at once, so that the servers reclaim what it staged.
+  void Expel(PeerId peer, WorkerId id, const FrameHeader& h, const Status& why) {
+    Refuse(peer, h, why, /*drop=*/true);
+    if (rule_.is_live(id)) {
+      RemoveWorker(id, /*failed=*/true,
+                   fmt::format("its {} was refused: {}", MsgTypeName(h.msg_type()),
+                               why.message()),
+                   /*close=*/false);
     }
   }
 
   void HandleServer(PeerId peer, NodeId id, const FrameHeader& h,
                     std::span<const std::byte> meta) {
+    for (ServerEntry& s : servers_) {
+      if (s.id == id) s.last_seen = SteadyClock::now();
+    }
     switch (h.msg_type()) {
       case MsgType::kHeartbeat:
         return;
+      case MsgType::kReady:
+        for (ServerEntry& s : servers_) {
+          if (s.id == id) s.ready = true;
+        }
+        AdmitWaiting();
+        return;
       case MsgType::kApplied:
         for (ServerEntry& s : servers_) {
-          if (s.id == id) s.applied = std::max<Round>(s.applied, h.round + 1);
+          if (s.id == id) s.applied = std::max<Round>(s.applied, h.round() + 1);
         }
         CheckFinished();
         return;
@@ -405,9 +492,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
   }
 
-  void RemoveWorker(WorkerId id, bool failed, const std::string& why) {
+  void RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close = true) {
     auto next = rule_.Remove(id, failed);
     if (!next.ok()) return;
+    uint64_t committed = 0;
+    if (auto wit = workers_.find(id); wit != workers_.end()) committed = wit->second.committed;
     if (policy_) {
       policy_->Leave(id);
       Redecide();
@@ -416,18 +505,18 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       ++counters_.workers_failed;
       spdlog::warn("scheduler: worker {} declared dead ({}); its {} committed gradient(s) "
                    "stand, anything later is discarded",
-                   id, why, *next);
+                   id, why, committed);
     } else {
       ++counters_.workers_left;
-      spdlog::info("scheduler: worker {} left after {} gradient(s)", id, *next);
+      spdlog::info("scheduler: worker {} left after {} gradient(s)", id, committed);
     }
     // Servers drop what the worker pushed for clocks it never committed.
     FrameHeader gone = MakeHeader(MsgType::kWorkerGone, kSchedulerId);
-    gone.tensor = id;
-    gone.round = *next;
+    gone.set_gone_worker(id);
+    gone.set_next_clock(*next);
     for (const ServerEntry& s : servers_) (void)SendControl(*transport_, s.peer, gone);
     if (auto wit = workers_.find(id); wit != workers_.end()) {
-      if (failed) transport_->Close(wit->second.peer);
+      if (failed && close) transport_->Close(wit->second.peer);
       workers_.erase(wit);
     }
     Progress();
@@ -444,30 +533,25 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     ++counters_.policy_changes;
     spdlog::info("scheduler: dsync:auto from round {}: {}", rule_.open_round(),
                  policy_->Describe());
-    if (audit_) {
-      fmt::memory_buffer line;
-      fmt::format_to(std::back_inserter(line), "{{\"policy\":{{\"from_round\":{},\"quorum\":{},"
-                     "\"allowance\":{{", rule_.open_round(), d.quorum);
-      bool first = true;
-      for (const auto& [id, allowance] : d.allowance) {
-        fmt::format_to(std::back_inserter(line), "{}\"{}\":{}", first ? "" : ",", id, allowance);
-        first = false;
-      }
-      fmt::format_to(std::back_inserter(line), "}}}}}}\n");
-      WriteAudit(line);
-    }
+    audit_.Policy(rule_.open_round(), d.quorum, d.allowance);
   }
 
   // Broadcasts every round that may close now and every ssp gate that opened.
   void Progress() {
     for (RoundRecord& rec : rule_.CloseReady()) {
-      EncodeMembers(rec.members, meta_buf_);
+      round_entries_.clear();
+      for (const RoundMember& m : rec.members) {
+        auto t = tensors_of_.find({m.worker, m.clock});
+        round_entries_.push_back({m, t == tensors_of_.end() ? TensorSet{} : std::move(t->second)});
+        if (t != tensors_of_.end()) tensors_of_.erase(t);
+      }
+      EncodeRound(round_entries_, meta_buf_);
       FrameHeader h = MakeHeader(MsgType::kRound, kSchedulerId);
-      h.round = rec.round;
+      h.set_round(rec.round);
       for (const ServerEntry& s : servers_) {
         (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
       }
-      Audit(rec);
+      audit_.Round(rec);
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
     }
@@ -475,31 +559,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       auto wit = workers_.find(g.worker);
       if (wit == workers_.end()) continue;
       FrameHeader h = MakeHeader(MsgType::kGate, kSchedulerId);
-      h.round = g.clock;
-      h.aux = g.min_version;
+      h.set_clock(g.clock);
+      h.set_min_version(g.min_version);
       (void)SendControl(*transport_, wit->second.peer, h);
     }
     CheckFinished();
-  }
-
-  void Audit(const RoundRecord& rec) {
-    if (!audit_) return;
-    fmt::memory_buffer line;
-    fmt::format_to(std::back_inserter(line), "{{\"round\":{},\"live\":{},\"quorum\":{},\"members\":[",
-                   rec.round, rec.live_workers, rec.quorum_needed);
-    for (size_t i = 0; i < rec.members.size(); ++i) {
-      const RoundMember& m = rec.members[i];
-      fmt::format_to(std::back_inserter(line), "{}[{},{},{}]", i ? "," : "", m.worker, m.clock,
-                     m.base);
-    }
-    fmt::format_to(std::back_inserter(line), "]}}\n");
-    WriteAudit(line);
-  }
-
-  // One JSON line, flushed: the log must hold every decision even if the job dies next.
-  void WriteAudit(const fmt::memory_buffer& line) {
-    std::fwrite(line.data(), 1, line.size(), audit_);
-    std::fflush(audit_);
   }
 
   // The job ends when every worker that joined is gone and every decided round is applied.
@@ -518,7 +582,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         observers_told_ = true;
         observers_deadline_ = SteadyClock::now() + kObserverGrace;
         FrameHeader done = MakeHeader(MsgType::kShutdown, kSchedulerId);
-        done.round = rule_.open_round();
+        done.set_final_version(rule_.open_round());
         for (const auto& [id, peer] : observers_) (void)SendControl(*transport_, peer, done);
         spdlog::info("scheduler: training is over at version {}; waiting for {} observer(s) to "
                      "read the final model",
@@ -554,27 +618,66 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     cv_.notify_all();
   }
 
+  // Judges silence: workers past the timeout are declared dead, a server past it stops the
+  // job. Never for a time this node itself was stalled (a pause shows as a late tick; the
+  // peers' frames of that time are read first), nor while a peer's frames sit unread.
   void MonitorHeartbeats() {
     const auto timeout = std::chrono::milliseconds(cfg_.heartbeat_timeout_ms);
-    const auto tick = std::chrono::milliseconds(std::max<uint32_t>(1, cfg_.heartbeat_interval_ms / 2));
+    const auto interval = std::chrono::milliseconds(cfg_.heartbeat_interval_ms);
+    const auto tick = std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1),
+                                                          interval / 2);
     std::unique_lock lock(mu_);
+    auto last_tick = SteadyClock::now();
+    auto judge_from = last_tick;
+    auto last_told = last_tick;
     while (!stop_ && !finished_) {
       cv_.wait_for(lock, tick);
       const auto now = SteadyClock::now();
-      std::vector<WorkerId> dead;
-      for (const auto& [id, w] : workers_) {
-        if (now - w.last_seen > timeout) dead.push_back(id);
+      if (now - last_tick > tick + std::max<SteadyClock::duration>(interval, kStallSlack)) {
+        // This node was stalled (SIGSTOP, a debugger, a VM steal): what the peers sent
+        // meanwhile is still being read. Give the readers an interval before judging.
+        spdlog::warn("scheduler: this process was stalled for {} ms; judging heartbeats again "
+                     "once what the peers sent meanwhile is read",
+                     std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick)
+                         .count());
+        judge_from = now + 2 * interval;
       }
-      for (WorkerId id : dead) {
-        RemoveWorker(id, /*failed=*/true,
-                     fmt::format("no heartbeat for {} ms", cfg_.heartbeat_timeout_ms));
+      last_tick = now;
+      if (now - last_told >= interval) {
+        last_told = now;
+        TellWaiting();
+      }
+      if (now >= judge_from) {
+        std::vector<WorkerId> dead;
+        for (const auto& [id, w] : workers_) {
+          if (now - w.last_seen > timeout && !transport_->HasUnreadInput(w.peer)) {
+            dead.push_back(id);
+          }
+        }
+        for (WorkerId id : dead) {
+          RemoveWorker(id, /*failed=*/true,
+                       fmt::format("no heartbeat for {} ms", cfg_.heartbeat_timeout_ms));
+        }
+        for (const ServerEntry& s : servers_) {
+          if (now - s.last_seen > timeout && !transport_->HasUnreadInput(s.peer)) {
+            Finish(Error(StatusCode::kUnavailable,
+                         "server {} stopped answering (no heartbeat for {} ms); the job cannot "
+                         "continue without its slices",
+                         s.id, cfg_.heartbeat_timeout_ms));
+            break;
+          }
+        }
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
     }
   }
 
+  // A tick later than this beyond its period means this process did not run meanwhile.
+  static constexpr std::chrono::milliseconds kStallSlack{250};
+
   Config cfg_;
   std::unique_ptr<Transport> transport_;
+  const JobKey job_key_;  // credentials and receipts; shared with the servers only
   uint16_t port_ = 0;
 
   mutable std::mutex mu_;
@@ -609,8 +712,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // The newest decisions, for tests and diagnostics; the audit log keeps all of them.
   static constexpr size_t kMaxHistory = size_t{1} << 16;
   std::deque<RoundRecord> history_;
-  std::FILE* audit_ = nullptr;
+  AuditLog audit_;
   std::vector<std::byte> meta_buf_;
+  // The tensors each committed gradient covers, until its round goes out.
+  std::map<std::pair<WorkerId, Clock>, TensorSet> tensors_of_;
+  std::vector<RoundEntry> round_entries_;
   std::thread monitor_;
 };
 

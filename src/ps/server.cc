@@ -1,11 +1,17 @@
 // The server node. Pushed slices are staged per (worker, clock) in pooled buffers the
 // transport reads straight into; nothing is applied until the scheduler names the round's
 // members, so a partial push (a worker that died between slices) is applied on no slice
-// and a committed one is applied on every slice alike (DESIGN.md §2, invariant 5).
+// and a committed one is applied on every slice alike (invariant 5, docs/contract.md).
+//
+// Trust: a client connects with the credential the scheduler gave it; the server answers
+// with its own proof. When a push completes a tensor here, its acknowledgement carries a
+// receipt the worker relays in its commit, so the scheduler only places gradients the
+// servers hold; a round naming a slice this server never staged stops the job. Each
+// worker's staging is capped by its delay bound (StagingLedger).
 //
 // Threads: the transport's reader threads validate and stage pushes, answer pulls; one
-// apply thread applies rounds in order. A slice's mutex orders staging, reading and
-// applying of that slice.
+// apply thread applies rounds in order; one thread heartbeats to the scheduler. A slice's
+// mutex orders staging, reading and applying of that slice.
 #include "dsync/server.h"
 
 #include <spdlog/spdlog.h>
@@ -23,8 +29,11 @@
 
 #include "ps/backends.h"
 #include "ps/buffer_pool.h"
+#include "ps/client_registry.h"
 #include "ps/handshake.h"
+#include "ps/round_rule.h"
 #include "ps/server_node.h"
+#include "ps/staging_ledger.h"
 #include "ps/trace.h"
 
 namespace dsync {
@@ -43,6 +52,7 @@ class ServerNode final : public Server, public TransportHandler {
     Stop();
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
+    if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
     ReleaseAllStaged();
   }
 
@@ -69,9 +79,20 @@ class ServerNode final : public Server, public TransportHandler {
     }
     if (!result_.ok()) return result_;
     apply_thread_ = std::thread([this] { ApplyLoop(); });
-    spdlog::info("server {} listening on {}:{} (optimizer {}, lr {})", id_, cfg_.bind_host,
-                 port_, OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
+    heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+    spdlog::info("server {} listening on {}:{} (optimizer {}, lr {})", id_.load(),
+                 cfg_.bind_host, port_, OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
     return Status::Ok();
+  }
+
+  // Frames to the scheduler from a thread of its own, so that a busy apply thread or reader
+  // never looks like a hung server; a stopped process stops them all, which is the point.
+  void HeartbeatLoop() {
+    const auto period = std::chrono::milliseconds(job_.heartbeat_interval_ms);
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, period, [&] { return stop_ || shutdown_; })) {
+      (void)SendControl(*transport_, scheduler_, MakeHeader(MsgType::kHeartbeat, id_));
+    }
   }
 
   // GPUDirect RDMA: with a store that has device memory and a transport that can reach it,
@@ -121,7 +142,7 @@ class ServerNode final : public Server, public TransportHandler {
       if (!why.ok() && device_direct_.exchange(false)) {
         spdlog::warn("server {}: GPUDirect RDMA off from now on ({}); payloads are staged "
                      "through pinned host memory",
-                     id_, why.message());
+                     id_.load(), why.message());
       }
     }
     return pool_.Acquire(bytes);
@@ -146,7 +167,8 @@ class ServerNode final : public Server, public TransportHandler {
     lock.unlock();
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
-    spdlog::info("server {} stopped after {} round(s)", id_, stats_.rounds_applied.load());
+    if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    spdlog::info("server {} stopped after {} round(s)", id_.load(), stats_.rounds_applied.load());
     if (result.ok() && !cfg_.dump_model.empty()) result = DumpModel();
     return result;
   }
@@ -177,9 +199,7 @@ class ServerNode final : public Server, public TransportHandler {
   // --- TransportHandler ---------------------------------------------------------------
 
   void OnConnected(PeerId peer, bool inbound) override {
-    if (!inbound) return;
-    std::lock_guard lock(peers_mu_);
-    peers_[peer] = std::make_unique<PeerState>();
+    if (inbound) clients_.Connected(peer);
   }
 
   void OnDisconnected(PeerId peer, const Status& why) override {
@@ -187,22 +207,21 @@ class ServerNode final : public Server, public TransportHandler {
       std::lock_guard lock(mu_);
       if (!shutdown_ && !stop_ && result_.ok()) {
         result_ = Error(StatusCode::kUnavailable, "lost the scheduler: {}", why.message());
-        spdlog::error("server {}: {}", id_, result_.message());
+        spdlog::error("server {}: {}", id_.load(), result_.message());
       }
       cv_.notify_all();
       return;
     }
-    std::lock_guard lock(peers_mu_);
-    peers_.erase(peer);
+    clients_.Disconnected(peer);
   }
 
   void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) override {
     if (peer == scheduler_) return nullptr;
-    PeerState* ps = FindPeer(peer);
+    Client* ps = clients_.Find(peer);
     if (!ps || ps->doomed) return nullptr;
     ps->verdict = Status::Ok();
     ps->init_exists = false;
-    if (!ps->worker) {
+    if (!ps->id) {
       if (h.msg_type() != MsgType::kHello) {
         ps->verdict = Error(StatusCode::kPermissionDenied, "the first frame must be a hello");
       }
@@ -211,8 +230,7 @@ class ServerNode final : public Server, public TransportHandler {
     switch (h.msg_type()) {
       case MsgType::kPush: {
         SliceState* s = nullptr;
-        ps->verdict = CheckData(h, &s);
-        if (ps->verdict.ok()) ps->verdict = CheckNotGone(ps->worker, h.round);
+        ps->verdict = CheckPushFrom(*ps, h, &s);
         if (!ps->verdict.ok()) return nullptr;
         void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
@@ -244,19 +262,19 @@ class ServerNode final : public Server, public TransportHandler {
       HandleScheduler(h, meta);
       return;
     }
-    PeerState* ps = FindPeer(peer);
+    Client* ps = clients_.Find(peer);
     if (!ps || ps->doomed) {
       ReleaseBuffer(payload, h.payload_len);
       return;
     }
     if (!ps->verdict.ok()) {
       ReleaseBuffer(payload, h.payload_len);
-      Refuse(peer, h, ps->verdict, /*drop=*/!ps->worker || h.msg_type() == MsgType::kHello);
+      Refuse(peer, h, ps->verdict, /*drop=*/!ps->id || h.msg_type() == MsgType::kHello);
       return;
     }
     switch (h.msg_type()) {
-      case MsgType::kHello: HandleHello(peer, ps, h, meta); return;
-      case MsgType::kPush: StagePush(peer, ps->worker, h, payload); return;
+      case MsgType::kHello: HandleHello(peer, h, meta); return;
+      case MsgType::kPush: StagePush(peer, ps->id, h, payload); return;
       case MsgType::kPull: HandlePull(peer, h); return;
       case MsgType::kInit: HandleInit(peer, h, meta, payload, ps->init_exists); return;
       case MsgType::kHeartbeat: return;
@@ -269,12 +287,7 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
  private:
-  struct PeerState {
-    WorkerId worker = 0;  // 0 until the hello is accepted
-    Status verdict;       // OnHeader's judgement of the frame being read
-    bool init_exists = false;
-    bool doomed = false;  // refused and being dropped: its frames are ignored
-  };
+  using Client = ClientRegistry::Client;
   struct Staged {
     WorkerId worker;
     Clock clock;
@@ -301,14 +314,8 @@ class ServerNode final : public Server, public TransportHandler {
   };
   struct PendingRound {
     Round round;
-    std::vector<RoundMember> members;
+    std::vector<RoundEntry> members;
   };
-
-  PeerState* FindPeer(PeerId peer) {
-    std::lock_guard lock(peers_mu_);
-    auto it = peers_.find(peer);
-    return it == peers_.end() ? nullptr : it->second.get();
-  }
 
   SliceState* FindSlice(uint32_t tensor, uint32_t slice) {
     std::shared_lock lock(slices_mu_);
@@ -318,48 +325,54 @@ class ServerNode final : public Server, public TransportHandler {
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
     ++stats_.requests_refused;
-    spdlog::warn("server {}: refused {} from {}: {}", id_, MsgTypeName(about.msg_type()),
+    spdlog::warn("server {}: refused {} from {}: {}", id_.load(), MsgTypeName(about.msg_type()),
                  transport_->PeerAddress(peer), error.message());
     if (drop) {
       ++stats_.connections_dropped;
-      if (PeerState* ps = FindPeer(peer)) ps->doomed = true;  // ignore it until it is gone
+      if (Client* ps = clients_.Find(peer)) ps->doomed = true;  // ignore it until it is gone
     }
     (void)SendError(*transport_, peer, id_, error, about, /*close_after=*/drop);
   }
 
   // A push or pull names a slice this server holds, with the right dtype and length.
   Status CheckData(const FrameHeader& h, SliceState** out) {
-    SliceState* s = FindSlice(h.tensor, h.slice);
+    SliceState* s = FindSlice(h.tensor(), h.slice());
     if (!s) {
       return Error(StatusCode::kNotFound,
-                   "tensor {} slice {} is not on server {}; register the tensor first", h.tensor,
-                   h.slice, id_);
+                   "tensor {} slice {} is not on server {}; register the tensor first",
+                   h.tensor(), h.slice(), id_.load());
     }
     if (h.msg_type() == MsgType::kPush) {
       if (h.dtype != static_cast<uint8_t>(DType::kFloat32)) {
         return Error(StatusCode::kInvalidArgument,
                      "push to tensor {} slice {}: dtype {} is not supported (the model is float32)",
-                     h.tensor, h.slice, DTypeName(static_cast<DType>(h.dtype)));
+                     h.tensor(), h.slice(), DTypeName(static_cast<DType>(h.dtype)));
       }
       if (h.payload_len != s->elements * sizeof(float)) {
         return Error(StatusCode::kInvalidArgument,
-                     "push to tensor {} slice {}: {} bytes, expected {} ({} float32)", h.tensor,
-                     h.slice, h.payload_len, s->elements * sizeof(float), s->elements);
+                     "push to tensor {} slice {}: {} bytes, expected {} ({} float32)", h.tensor(),
+                     h.slice(), h.payload_len, s->elements * sizeof(float), s->elements);
       }
     }
     *out = s;
     return Status::Ok();
   }
 
-  Status CheckNotGone(WorkerId w, Clock clock) {
-    std::lock_guard lock(gone_mu_);
-    auto it = gone_.find(w);
-    if (it != gone_.end() && clock >= it->second) {
-      return Error(StatusCode::kAborted,
-                   "worker {} is no longer a member of the job; gradient of clock {} discarded", w,
-                   clock);
+  // Everything about a push that can be judged before its payload is read: nothing is
+  // received, let alone staged, for a push that would be refused.
+  Status CheckPushFrom(const Client& c, const FrameHeader& h, SliceState** s) {
+    if (c.observer) {
+      return Error(StatusCode::kPermissionDenied, "observer {} is read-only: it cannot push",
+                   c.id);
     }
-    return Status::Ok();
+    DSYNC_RETURN_IF_ERROR(CheckData(h, s));
+    DSYNC_RETURN_IF_ERROR(clients_.CheckNotGone(c.id, h.clock()));
+    return ledger_.Admit(c.id, h.clock());
+  }
+
+  // Slices of the job's size: tensor elements per slice (SlicePlanner's rule).
+  uint64_t SliceElements() const {
+    return std::max<uint64_t>(1, job_.slice_bytes / sizeof(float));
   }
 
   Status CheckInit(const FrameHeader& h, std::span<const std::byte> meta, bool* exists) {
@@ -369,56 +382,55 @@ class ServerNode final : public Server, public TransportHandler {
       return Error(StatusCode::kInvalidArgument, "tensor '{}': dtype {} is not supported (float32)",
                    im.name, DTypeName(static_cast<DType>(h.dtype)));
     }
+    // A slice is exactly where the job's slice size puts it: then a tensor's slice count,
+    // which receipts attest, is the same for every server and every worker.
+    const uint64_t per = SliceElements();
     if (h.payload_len == 0 || h.payload_len % sizeof(float) != 0 ||
-        im.slice_offset + h.payload_len / sizeof(float) > im.tensor_elements) {
+        im.slice_offset + h.payload_len / sizeof(float) > im.tensor_elements ||
+        im.slice_offset != uint64_t{h.slice()} * per ||
+        h.payload_len / sizeof(float) != std::min(per, im.tensor_elements - im.slice_offset)) {
       return Error(StatusCode::kInvalidArgument,
-                   "tensor '{}' slice {}: {} bytes do not fit a tensor of {} elements", im.name,
-                   h.slice, h.payload_len, im.tensor_elements);
+                   "tensor '{}' slice {}: {} bytes at element {} are not slice {} of a tensor "
+                   "of {} elements cut into slices of {} elements",
+                   im.name, h.slice(), h.payload_len, im.slice_offset, h.slice(),
+                   im.tensor_elements, per);
     }
     std::shared_lock lock(slices_mu_);
-    if (auto t = tensors_.find(h.tensor); t != tensors_.end()) {
+    if (auto t = tensors_.find(h.tensor()); t != tensors_.end()) {
       if (t->second.name != im.name || t->second.elements != im.tensor_elements) {
         return Error(StatusCode::kInvalidArgument,
                      "tensor {} is '{}' ({} elements) on server {}, but this worker registers "
                      "'{}' ({} elements): every worker must register the same tensors in the "
                      "same order",
-                     h.tensor, t->second.name, t->second.elements, id_, im.name,
+                     h.tensor(), t->second.name, t->second.elements, id_.load(), im.name,
                      im.tensor_elements);
       }
     }
-    if (auto it = slices_.find(MakeSliceKey(h.tensor, h.slice)); it != slices_.end()) {
+    if (auto it = slices_.find(MakeSliceKey(h.tensor(), h.slice())); it != slices_.end()) {
       if (it->second->elements * sizeof(float) != h.payload_len) {
         return Error(StatusCode::kInvalidArgument,
                      "tensor '{}' slice {} holds {} elements here, not {}: is the slice size the "
                      "same on every worker?",
-                     im.name, h.slice, it->second->elements, h.payload_len / sizeof(float));
+                     im.name, h.slice(), it->second->elements, h.payload_len / sizeof(float));
       }
       *exists = true;
     }
     return Status::Ok();
   }
 
-  void HandleHello(PeerId peer, PeerState* ps, const FrameHeader& h,
-                   std::span<const std::byte> meta) {
+  void HandleHello(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     auto hello = AcceptHello(meta, cfg_.token);
-    if (!hello.ok()) {
-      Refuse(peer, h, hello.status(), true);
+    Result<Tag> proof = hello.ok() ? clients_.Admit(peer, *hello) : Result<Tag>(hello.status());
+    if (!proof.ok()) {
+      Refuse(peer, h, proof.status(), true);
       return;
     }
-    if (hello->role != Role::kWorker || hello->node < kFirstWorkerId) {
-      Refuse(peer, h, Error(StatusCode::kPermissionDenied, "only workers connect to servers"),
-             true);
-      return;
-    }
-    Status gone = CheckNotGone(hello->node, 0);
-    if (!gone.ok()) {
-      Refuse(peer, h, gone, true);
-      return;
-    }
-    ps->worker = hello->node;
+    transport_->Trust(peer);
     FrameHeader ack = MakeHeader(MsgType::kHelloAck, id_);
     ack.request = h.request;
-    (void)SendControl(*transport_, peer, ack);
+    (void)transport_->Send(peer, ack, {reinterpret_cast<const std::byte*>(proof->data()),
+                                       proof->size()},
+                           nullptr, 0);
   }
 
   void HandleInit(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
@@ -429,9 +441,13 @@ class ServerNode final : public Server, public TransportHandler {
     if (!exists) {
       const uint64_t n = h.payload_len / sizeof(float);
       std::unique_lock lock(slices_mu_);
-      const SliceKey key = MakeSliceKey(h.tensor, h.slice);
+      const SliceKey key = MakeSliceKey(h.tensor(), h.slice());
       if (!slices_.contains(key)) {  // else another worker's init won the race
-        Status st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
+        const uint64_t per = SliceElements();
+        Status st = ledger_.Place(h.tensor(),
+                                  static_cast<uint32_t>((im.tensor_elements + per - 1) / per),
+                                  h.slice());
+        if (st.ok()) st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
         if (!st.ok()) {
           lock.unlock();
           ReleaseBuffer(payload, h.payload_len);
@@ -440,44 +456,46 @@ class ServerNode final : public Server, public TransportHandler {
         }
         auto s = std::make_unique<SliceState>();
         s->key = key;
-        s->tensor = h.tensor;
-        s->index = h.slice;
+        s->tensor = h.tensor();
+        s->index = h.slice();
         s->elements = n;
         s->version = stats_.rounds_applied;  // it exists from the current model version on
         slice_list_.push_back(s.get());
         slices_.emplace(key, std::move(s));
-        tensors_.try_emplace(h.tensor, TensorMeta{im.name, im.tensor_elements});
+        tensors_.try_emplace(h.tensor(), TensorMeta{im.name, im.tensor_elements});
       }
       lock.unlock();
       ReleaseBuffer(payload, h.payload_len);
     }
-    slice = FindSlice(h.tensor, h.slice);
+    slice = FindSlice(h.tensor(), h.slice());
     FrameHeader ack = MakeHeader(MsgType::kInitAck, id_);
     ack.request = h.request;
-    ack.tensor = h.tensor;
-    ack.slice = h.slice;
+    ack.set_tensor(h.tensor());
+    ack.set_slice(h.slice());
     {
       std::lock_guard lock(slice->mu);
-      ack.aux = slice->version;
+      ack.set_slice_version(slice->version);
     }
     (void)SendControl(*transport_, peer, ack);
   }
 
   void StagePush(PeerId peer, WorkerId worker, const FrameHeader& h, void* payload) {
     trace::Scoped range(trace::Range::kServerPush);
-    SliceState* s = FindSlice(h.tensor, h.slice);
+    SliceState* s = FindSlice(h.tensor(), h.slice());
     Status error;
+    std::optional<Tag> receipt;
     {
       std::lock_guard lock(s->mu);
-      error = CheckNotGone(worker, h.round);
+      error = clients_.CheckNotGone(worker, h.clock());
       for (const Staged& st : s->staged) {
-        if (error.ok() && st.worker == worker && st.clock == h.round) {
+        if (error.ok() && st.worker == worker && st.clock == h.clock()) {
           error = Error(StatusCode::kAlreadyExists,
                         "worker {} pushed tensor {} slice {} twice for clock {}", worker,
-                        h.tensor, h.slice, h.round);
+                        h.tensor(), h.slice(), h.clock());
         }
       }
-      if (error.ok()) s->staged.push_back({worker, h.round, static_cast<float*>(payload)});
+      if (error.ok()) error = ledger_.Staged(worker, h.clock(), h.tensor(), &receipt);
+      if (error.ok()) s->staged.push_back({worker, h.clock(), static_cast<float*>(payload)});
     }
     if (!error.ok()) {
       ReleaseBuffer(payload, h.payload_len);
@@ -487,10 +505,12 @@ class ServerNode final : public Server, public TransportHandler {
     ++stats_.pushes_received;
     FrameHeader ack = MakeHeader(MsgType::kPushAck, id_);
     ack.request = h.request;
-    ack.tensor = h.tensor;
-    ack.slice = h.slice;
-    ack.round = h.round;
-    (void)SendControl(*transport_, peer, ack);
+    ack.set_tensor(h.tensor());
+    ack.set_slice(h.slice());
+    ack.set_clock(h.clock());
+    std::span<const std::byte> meta;
+    if (receipt) meta = {reinterpret_cast<const std::byte*>(receipt->data()), receipt->size()};
+    (void)transport_->Send(peer, ack, meta, nullptr, 0);
   }
 
   void HandlePull(PeerId peer, const FrameHeader& h) {
@@ -501,10 +521,10 @@ class ServerNode final : public Server, public TransportHandler {
       return;
     }
     std::lock_guard lock(s->mu);
-    if (s->version >= h.aux) {
+    if (s->version >= h.min_version()) {
       ReplyPull(*s, peer, h.request);
     } else {
-      s->waiting.push_back({peer, h.request, h.aux});
+      s->waiting.push_back({peer, h.request, h.min_version()});
     }
   }
 
@@ -518,9 +538,9 @@ class ServerNode final : public Server, public TransportHandler {
     Status st = store_->Read(s.key, {static_cast<float*>(buf), s.elements});
     FrameHeader h = MakeHeader(MsgType::kPullReply, id_);
     h.request = request;
-    h.tensor = s.tensor;
-    h.slice = s.index;
-    h.aux = s.version;
+    h.set_tensor(s.tensor);
+    h.set_slice(s.index);
+    h.set_slice_version(s.version);
     h.dtype = static_cast<uint8_t>(DType::kFloat32);
     if (st.ok()) {
       st = transport_->Send(peer, h, {}, buf, bytes,
@@ -540,10 +560,17 @@ class ServerNode final : public Server, public TransportHandler {
         std::lock_guard lock(mu_);
         if (!w.ok()) {
           result_ = w.status().WithContext("scheduler's answer");
+        } else if (!w->job_key) {
+          result_ = Error(StatusCode::kProtocol, "the scheduler's answer carries no job key");
         } else {
           job_ = std::move(w).value();
           id_ = job_.id;
+          clients_.Configure(*job_.job_key, job_.id);
+          ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync));
           welcomed_ = true;
+          // Workers are admitted only once every server said so: none is turned away by a
+          // server that has not taken its welcome yet.
+          (void)SendControl(*transport_, scheduler_, MakeHeader(MsgType::kReady, id_));
         }
         cv_.notify_all();
         return;
@@ -555,8 +582,8 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       case MsgType::kRound: {
-        PendingRound r{h.round, {}};
-        Status st = DecodeMembers(meta, r.members);
+        PendingRound r{h.round(), {}};
+        Status st = DecodeRound(meta, r.members);
         std::lock_guard lock(mu_);
         if (!st.ok()) {
           result_ = st.WithContext("round from the scheduler");
@@ -567,7 +594,7 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       case MsgType::kWorkerGone:
-        DiscardUncommitted(h.tensor, h.round);
+        DiscardUncommitted(h.gone_worker(), h.next_clock());
         return;
       case MsgType::kShutdown: {
         std::lock_guard lock(mu_);
@@ -576,16 +603,14 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       default:
-        spdlog::warn("server {}: ignoring {} from the scheduler", id_, MsgTypeName(h.msg_type()));
+        spdlog::warn("server {}: ignoring {} from the scheduler", id_.load(),
+                     MsgTypeName(h.msg_type()));
     }
   }
 
   // The worker is gone: what it pushed for clocks >= next_clock was never committed.
   void DiscardUncommitted(WorkerId w, Clock next_clock) {
-    {
-      std::lock_guard lock(gone_mu_);
-      gone_[w] = next_clock;
-    }
+    clients_.MarkGone(w, next_clock);
     std::shared_lock lock(slices_mu_);
     size_t dropped = 0;
     for (SliceState* s : slice_list_) {
@@ -597,8 +622,10 @@ class ServerNode final : public Server, public TransportHandler {
         return true;
       });
     }
+    ledger_.Gone(w, next_clock);
     if (dropped) {
-      spdlog::info("server {}: discarded {} uncommitted slice(s) of worker {}", id_, dropped, w);
+      spdlog::info("server {}: discarded {} uncommitted slice(s) of worker {}", id_.load(),
+                   dropped, w);
     }
   }
 
@@ -614,42 +641,80 @@ class ServerNode final : public Server, public TransportHandler {
         r = std::move(rounds_.front());
         rounds_.pop_front();
       }
-      if (r.round != stats_.rounds_applied) {
+      Status st = r.round == stats_.rounds_applied
+                      ? ApplyRound(r, grads, used)
+                      : Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
+                              r.round, stats_.rounds_applied.load());
+      if (!st.ok()) {
+        // Never skip: a round this server cannot apply as decided would leave its slices
+        // different from everyone else's. Stop the job and say which gradient it was.
+        st = st.WithContext(fmt::format("server {}", id_.load()));
+        spdlog::error("{}", st.message());
+        FrameHeader about = MakeHeader(MsgType::kRound, id_);
+        about.set_round(r.round);
+        (void)SendError(*transport_, scheduler_, id_, st, about);
         std::lock_guard lock(mu_);
-        result_ = Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
-                        r.round, stats_.rounds_applied.load());
+        result_ = st;
         cv_.notify_all();
         return;
       }
-      ApplyRound(r, grads, used);
       ++stats_.rounds_applied;
       stats_.gradients_applied += r.members.size();
       FrameHeader done = MakeHeader(MsgType::kApplied, id_);
-      done.round = r.round;
+      done.set_round(r.round);
       (void)SendControl(*transport_, scheduler_, done);
     }
   }
 
-  void ApplyRound(const PendingRound& r, std::vector<const float*>& grads,
-                  std::vector<size_t>& used) {
+  // Every slice here of every tensor a member's gradient covers must be staged: the
+  // scheduler placed it on the servers' receipts. A gap is a protocol error, never skipped.
+  Status CheckRoundStaged(const PendingRound& r) {
+    std::shared_lock lock(slices_mu_);
+    for (SliceState* s : slice_list_) {
+      std::lock_guard slock(s->mu);
+      for (const RoundEntry& e : r.members) {
+        if (!Contains(e.tensors, s->tensor)) continue;
+        const bool held = std::any_of(s->staged.begin(), s->staged.end(), [&](const Staged& st) {
+          return st.worker == e.member.worker && st.clock == e.member.clock;
+        });
+        if (!held) {
+          return Error(StatusCode::kProtocol,
+                       "round {} names worker {}'s gradient of clock {} for tensor {} slice {}, "
+                       "which this server never staged",
+                       r.round, e.member.worker, e.member.clock, s->tensor, s->index);
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status ApplyRound(const PendingRound& r, std::vector<const float*>& grads,
+                    std::vector<size_t>& used) {
+    DSYNC_RETURN_IF_ERROR(CheckRoundStaged(r));
     // Payload: the round's number, shown on the timeline (0 is shown as no payload).
     trace::Scoped range(trace::Range::kServerRound, r.round);
     std::shared_lock lock(slices_mu_);
+    uint64_t strays = 0;
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);
       grads.clear();
       used.clear();
-      for (const RoundMember& m : r.members) {  // worker-id order: deterministic sums
+      for (const RoundEntry& e : r.members) {  // worker-id order: deterministic sums
+        const bool applies = Contains(e.tensors, s->tensor);
         for (size_t i = 0; i < s->staged.size(); ++i) {
-          if (s->staged[i].worker == m.worker && s->staged[i].clock == m.clock) {
-            grads.push_back(s->staged[i].data);
+          if (s->staged[i].worker == e.member.worker && s->staged[i].clock == e.member.clock) {
+            // Staged for a tensor the commit did not name: pushed, never committed; dropped.
+            if (applies) grads.push_back(s->staged[i].data);
+            strays += applies ? 0 : 1;
             used.push_back(i);
             break;
           }
         }
       }
       Status st = store_->ApplyRound(s->key, grads, job_.optimizer);
-      if (!st.ok()) spdlog::error("server {}: applying round {}: {}", id_, r.round, st.message());
+      if (!st.ok()) {
+        spdlog::error("server {}: applying round {}: {}", id_.load(), r.round, st.message());
+      }
       std::sort(used.begin(), used.end());
       for (size_t k = used.size(); k-- > 0;) {
         ReleaseBuffer(s->staged[used[k]].data, s->elements * sizeof(float));
@@ -662,6 +727,13 @@ class ServerNode final : public Server, public TransportHandler {
         return true;
       });
     }
+    for (const RoundEntry& e : r.members) ledger_.Applied(e.member.worker, e.member.clock);
+    if (strays) {
+      spdlog::warn("server {}: round {} dropped {} staged slice(s) of tensors its members "
+                   "pushed but did not commit",
+                   id_.load(), r.round, strays);
+    }
+    return Status::Ok();
   }
 
   // One JSON object per slice: enough to check a final model without shipping it.
@@ -671,7 +743,7 @@ class ServerNode final : public Server, public TransportHandler {
     if (!f) return Error(StatusCode::kInvalidArgument, "cannot write the model dump '{}'", path);
     std::shared_lock lock(slices_mu_);
     std::vector<float> values;
-    std::fprintf(f, "{\"server\":%u,\"rounds\":%llu,\"slices\":[", id_,
+    std::fprintf(f, "{\"server\":%u,\"rounds\":%llu,\"slices\":[", id_.load(),
                  static_cast<unsigned long long>(stats_.rounds_applied.load()));
     for (size_t i = 0; i < slice_list_.size(); ++i) {
       const SliceState& s = *slice_list_[i];
@@ -716,8 +788,11 @@ class ServerNode final : public Server, public TransportHandler {
   uint64_t direct_min_bytes_ = 0;
   PeerId scheduler_ = kNoPeer;
   uint16_t port_ = 0;
-  NodeId id_ = 0;
+  // Written when the scheduler's welcome arrives, read by every transport thread.
+  std::atomic<NodeId> id_{0};
   Welcome job_;
+  ClientRegistry clients_;
+  StagingLedger ledger_;
 
   std::mutex mu_;  // lifecycle, rounds_
   std::condition_variable cv_;
@@ -727,17 +802,12 @@ class ServerNode final : public Server, public TransportHandler {
   Status result_;
   std::deque<PendingRound> rounds_;
   std::thread apply_thread_;
-
-  std::mutex peers_mu_;
-  std::unordered_map<PeerId, std::unique_ptr<PeerState>> peers_;
+  std::thread heartbeat_thread_;
 
   mutable std::shared_mutex slices_mu_;  // the maps below; exclusive only to add a slice
   std::unordered_map<SliceKey, std::unique_ptr<SliceState>> slices_;
   std::vector<SliceState*> slice_list_;
   std::map<uint32_t, TensorMeta> tensors_;
-
-  std::mutex gone_mu_;
-  std::unordered_map<WorkerId, Clock> gone_;
 
   struct Counters {
     std::atomic<uint64_t> rounds_applied{0};

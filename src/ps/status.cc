@@ -19,6 +19,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kAborted: return "aborted";
     case StatusCode::kInternal: return "internal error";
     case StatusCode::kUnimplemented: return "unimplemented";
+    case StatusCode::kResourceExhausted: return "resource exhausted";
   }
   return "unknown status";
 }

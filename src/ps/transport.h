@@ -1,5 +1,5 @@
-// The Transport seam (DESIGN.md §3): everything src/ps knows about moving bytes. The TCP
-// transport (src/tcp) and the RDMA transport (src/rdma, issue 5) implement it.
+// The Transport seam: everything src/ps knows about moving bytes. The TCP transport
+// (src/tcp) and the RDMA transport (src/rdma) implement it.
 //
 // Receiving is two-phase so payloads land where they belong without an intermediate copy:
 // the transport reads a frame's header and metadata, asks the handler where the payload
@@ -9,8 +9,16 @@
 // Threading contract: callbacks for one peer never run concurrently and arrive in frame
 // order; callbacks for different peers may run concurrently. A handler may call Send() and
 // Close() from any callback.
+//
+// Strangers: an inbound connection is *unauthenticated* until the handler calls Trust() on
+// it. Until then the transport reads nothing but one hello of at most kMaxHelloMetaBytes
+// (anything else drops the link from its header alone), drops it when no trusted state is
+// reached within the handshake timeout, and caps how many such connections may be open, in
+// all and from one address (AdmissionLimits). What a stranger can make a node hold is
+// bounded and given back.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -26,9 +34,19 @@ using PeerId = uint64_t;  // a connection, unique for the transport's lifetime
 constexpr PeerId kNoPeer = 0;
 
 // Called exactly once when a send accepted by Send() has left the payload buffer (OK) or
-// can no longer be delivered (peer gone, shutdown). Runs on a transport thread. Inline
-// storage: a send never allocates for its completion.
+// can no longer be delivered (peer gone, shutdown). Runs on a transport thread, never inside
+// Send() itself (callers send under their own locks). Inline storage: a send never allocates
+// for its completion.
 using SendDone = InlineCallback<void(const Status&), 32>;
+
+// Limits on inbound connections that have not authenticated yet (Config: handshake_timeout_ms,
+// max_pending_connections, max_pending_per_source) and on connections in all.
+struct AdmissionLimits {
+  std::chrono::milliseconds handshake_timeout{10000};
+  uint32_t max_pending = 64;             // unauthenticated connections per listener
+  uint32_t max_pending_per_source = 16;  // of them from one address
+  uint32_t max_connections = 4096;       // per listener, authenticated or not
+};
 
 class TransportHandler {
  public:
@@ -73,6 +91,13 @@ class Transport {
 
   // "host:port" of the peer, for messages.
   virtual std::string PeerAddress(PeerId peer) const = 0;
+
+  // The handler has authenticated an inbound peer: lift the limits on strangers (one small
+  // hello, the handshake timeout, the pending-connection caps). No effect on outbound ones.
+  virtual void Trust(PeerId peer) = 0;
+  // The peer sent bytes this node has not processed yet (they sit in a socket or a ring).
+  // A node that was itself stalled asks this before it judges a peer silent.
+  virtual bool HasUnreadInput(PeerId peer) const = 0;
 
   // Memory the node will send from and receive into again and again (pooled buffers): a
   // transport that must register memory (RDMA) registers it once, not per message.

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -28,6 +30,7 @@ namespace {
 
 constexpr uint32_t kNoOp = std::numeric_limits<uint32_t>::max();
 constexpr Clock kNever = std::numeric_limits<Clock>::max();
+using SteadyClock = std::chrono::steady_clock;
 
 class WorkerNode final : public Worker, public TransportHandler {
  public:
@@ -40,6 +43,9 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   Status Init() {
     transport_->SetHandler(this);
+    spdlog::info("{}: connecting to the scheduler at {}:{} (for up to {} s)",
+                 cfg_.observer ? "observer" : "worker", cfg_.scheduler_host, cfg_.scheduler_port,
+                 cfg_.connect_timeout_ms / 1000.0);
     DSYNC_ASSIGN_OR_RETURN(PeerId sched, transport_->Connect(cfg_.scheduler_host,
                                                              cfg_.scheduler_port,
                                                              cfg_.connect_timeout_ms));
@@ -68,6 +74,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     gate_clock_ = w.start_clock;
     gate_ = w.gate;
     hello.node = w.id;
+    hello.credential = w.credential;
     for (const ServerAddress& s : w.servers) {
       DSYNC_ASSIGN_OR_RETURN(PeerId peer,
                              transport_->Connect(s.host, s.port, cfg_.connect_timeout_ms));
@@ -76,8 +83,23 @@ class WorkerNode final : public Worker, public TransportHandler {
         servers_.push_back(peer);
         server_ids_[peer] = s.id;
       }
-      DSYNC_ASSIGN_OR_RETURN(std::string ignored,
+      DSYNC_ASSIGN_OR_RETURN(std::string proof,
                              Handshake(peer, hello, fmt::format("server {}", s.id)));
+      // The server proves it is the one the scheduler named (ps/keys.h): a node that merely
+      // listens at that address learns nothing and gets no gradients.
+      Tag got{};
+      if (proof.size() != got.size()) {
+        return Error(StatusCode::kPermissionDenied,
+                     "{}:{} answered without proving it is server {} of this job", s.host,
+                     s.port, s.id);
+      }
+      std::memcpy(got.data(), proof.data(), got.size());
+      if (!TagsEqual(got, s.proof)) {
+        return Error(StatusCode::kPermissionDenied,
+                     "{}:{} is not server {} of this job (its proof does not match what the "
+                     "scheduler said)",
+                     s.host, s.port, s.id);
+      }
     }
     heartbeat_ = std::thread([this, interval = w.heartbeat_interval_ms] { Heartbeat(interval); });
     if (job_.observer) {
@@ -118,8 +140,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     for (const SliceRef& s : tensor.layout.slices) {
       EncodeInit({tensor.name, init.size(), s.offset}, meta);
       FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
-      Status st = transport_->Send(servers_[s.server], h, meta, init.data() + s.offset,
-                                   s.elements * sizeof(float));
+      Status st = SendPayload(servers_[s.server], h, meta, init.data() + s.offset,
+                              s.elements * sizeof(float));
       if (!st.ok()) {
         FinishOp(op, st);
         break;
@@ -250,15 +272,16 @@ class WorkerNode final : public Worker, public TransportHandler {
     if (h.msg_type() != MsgType::kPullReply) return nullptr;
     std::lock_guard lock(mu_);
     const uint32_t op = OpOf(h.request);
-    if (op == kNoOp || ops_[op].kind != OpKind::kPull || ops_[op].tensor != h.tensor) {
+    if (op == kNoOp || ops_[op].kind != OpKind::kPull || ops_[op].tensor != h.tensor()) {
       return nullptr;
     }
-    const auto& slices = tensors_[h.tensor].layout.slices;
-    if (h.slice >= slices.size() || h.payload_len != slices[h.slice].elements * sizeof(float)) {
+    const auto& slices = tensors_[h.tensor()].layout.slices;
+    if (h.slice() >= slices.size() ||
+        h.payload_len != slices[h.slice()].elements * sizeof(float)) {
       return nullptr;
     }
     ++ops_[op].receiving;  // Wait() must not return while the transport writes here
-    return ops_[op].out + slices[h.slice].offset;  // straight into the caller's tensor
+    return ops_[op].out + slices[h.slice()].offset;  // straight into the caller's tensor
   }
 
   void OnPayloadLost(PeerId, const FrameHeader& h, void*) override {
@@ -276,12 +299,20 @@ class WorkerNode final : public Worker, public TransportHandler {
         handshake_reply_ = std::string(AsText(meta));
         handshake_done_ = true;
         break;
+      case MsgType::kPending:
+        handshake_heard_ = SteadyClock::now();
+        if (std::string why(AsText(meta)); why != pending_why_) {
+          spdlog::info("{}: the scheduler accepted the hello; {}",
+                       cfg_.observer ? "observer" : "worker", why);
+          pending_why_ = std::move(why);
+        }
+        break;
       case MsgType::kError:
         OnError(peer, h, meta);
         break;
       case MsgType::kInitAck:
       case MsgType::kPushAck:
-        OnSliceAck(h);
+        OnSliceAck(h, meta);
         break;
       case MsgType::kPullReply:
         OnPullReply(h, payload);
@@ -290,13 +321,13 @@ class WorkerNode final : public Worker, public TransportHandler {
         OnCommitAck(h);
         break;
       case MsgType::kGate:
-        OpenGate(h.round, h.aux);
+        OpenGate(h.clock(), h.min_version());
         break;
       case MsgType::kLeaveAck:
         left_ = true;
         break;
       case MsgType::kShutdown:
-        if (job_.observer && peer == scheduler_) final_version_ = h.round;
+        if (job_.observer && peer == scheduler_) final_version_ = h.final_version();
         break;
       default:
         spdlog::warn("worker {}: unexpected {} frame", job_.worker_id, MsgTypeName(h.msg_type()));
@@ -351,20 +382,32 @@ class WorkerNode final : public Worker, public TransportHandler {
     Clock clock = 0;
     Version base = 0;
     uint32_t acks_outstanding = 0;
-    uint32_t pushes = 0;       // tensors pushed (0: an empty commit)
     bool complete = false;     // every tensor pushed, or Advance()
     bool commit_sent = false;
     uint32_t advance_op = kNoOp;
+    CommitProof proof;         // tensors pushed (none: an empty commit), receipts so far
   };
 
+  // Sends the hello and waits for the answer. The scheduler may hold a worker until every
+  // server and the job's first workers are up, but it says so every heartbeat interval
+  // (kPending); a peer silent for the connect timeout is not a dsyncps node that works.
   Result<std::string> Handshake(PeerId peer, const Hello& hello, const std::string& who) {
     std::unique_lock lock(mu_);
     handshake_done_ = false;
     handshake_reply_.clear();
+    handshake_heard_ = SteadyClock::now();
     DSYNC_RETURN_IF_ERROR(transport_->Send(peer, MakeHeader(MsgType::kHello, hello.node),
                                            AsBytes(EncodeHello(hello)), nullptr, 0));
-    // The scheduler holds the first workers until all of them (and every server) are up.
-    cv_.wait(lock, [&] { return handshake_done_ || !broken_.ok(); });
+    const auto silence = std::chrono::milliseconds(cfg_.connect_timeout_ms);
+    while (!handshake_done_ && broken_.ok()) {
+      if (cv_.wait_until(lock, handshake_heard_ + silence) == std::cv_status::timeout &&
+          SteadyClock::now() >= handshake_heard_ + silence && !handshake_done_) {
+        return Error(StatusCode::kDeadlineExceeded,
+                     "{} at {} accepted the connection but did not answer the hello within {} "
+                     "ms; is that address and port a dsyncps node of this job?",
+                     who, transport_->PeerAddress(peer), cfg_.connect_timeout_ms);
+      }
+    }
     if (!broken_.ok()) return broken_.WithContext(fmt::format("joining via {}", who));
     return handshake_reply_;
   }
@@ -438,16 +481,34 @@ class WorkerNode final : public Worker, public TransportHandler {
       return ops_[op].gen != gen || (ops_[op].done && ops_[op].receiving == 0);
     });
     Status st = ops_[op].status;
+    if (!st.ok()) {
+      // On success the payloads left long ago (the servers acknowledged them); after a
+      // failure the transport may still be reading some: the caller frees them next.
+      cv_.wait(lock, [&] { return payload_sends_ == 0; });
+    }
     if (version) *version = ops_[op].version;
     FreeOp(op);
+    return st;
+  }
+
+  // Sends a frame whose payload is the caller's memory (a gradient, initial values), counted
+  // until the transport lets go of it.
+  Status SendPayload(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
+                     const float* data, size_t bytes) {
+    ++payload_sends_;
+    Status st = transport_->Send(peer, h, meta, data, bytes, [this](const Status&) {
+      std::lock_guard lock(mu_);
+      if (--payload_sends_ == 0) cv_.notify_all();
+    });
+    if (!st.ok()) --payload_sends_;
     return st;
   }
 
   FrameHeader SliceHeader(MsgType type, uint32_t op, TensorId tensor, const SliceRef& s) const {
     FrameHeader h = MakeHeader(type, job_.worker_id);
     h.request = HandleOf(op);
-    h.tensor = tensor;
-    h.slice = s.index;
+    h.set_tensor(tensor);
+    h.set_slice(s.index);
     h.dtype = static_cast<uint8_t>(DType::kFloat32);
     return h;
   }
@@ -489,13 +550,20 @@ class WorkerNode final : public Worker, public TransportHandler {
     ClockState& cs = CurrentClockState();
     ops_[op].outstanding = static_cast<uint32_t>(t.layout.slices.size());
     cs.acks_outstanding += ops_[op].outstanding;
-    ++cs.pushes;
+    // What the commit will claim, kept in ascending tensor order (CommitProof).
+    const CommittedTensor claim{tensor, static_cast<uint32_t>(t.layout.slices.size()),
+                                t.layout.slices.front().server};
+    auto& claims = cs.proof.tensors;
+    claims.insert(std::upper_bound(claims.begin(), claims.end(), claim,
+                                   [](const CommittedTensor& a, const CommittedTensor& b) {
+                                     return a.tensor < b.tensor;
+                                   }),
+                  claim);
     for (const SliceRef& s : t.layout.slices) {
       FrameHeader h = SliceHeader(MsgType::kPush, op, tensor, s);
-      h.round = clock_;
-      h.aux = cs.base;
-      st = transport_->Send(servers_[s.server], h, {}, grad + s.offset,
-                            s.elements * sizeof(float));
+      h.set_clock(clock_);
+      h.set_base(cs.base);
+      st = SendPayload(servers_[s.server], h, {}, grad + s.offset, s.elements * sizeof(float));
       if (!st.ok()) {
         Break(st.WithContext(fmt::format("push tensor {}", tensor)));
         return HandleOf(op);
@@ -533,7 +601,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     o.min_version = gate_;
     for (const SliceRef& s : tensors_[o.tensor].layout.slices) {
       FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
-      h.aux = gate_;  // the server answers once the slice has at least this version
+      h.set_min_version(gate_);  // the server answers once the slice has at least this version
       Status st = SendControl(*transport_, servers_[s.server], h);
       if (!st.ok()) {
         Break(st.WithContext(fmt::format("pull tensor {}", o.tensor)));
@@ -566,7 +634,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     if (clocks_.empty() || !broken_.ok()) return;
     ClockState& cs = clocks_.front();
     if (cs.commit_sent || !cs.complete || cs.acks_outstanding > 0) return;
-    if (cs.pushes > 0 && gate_clock_ >= cs.clock && cs.base < gate_) {
+    const bool empty = cs.proof.tensors.empty();
+    if (!empty && gate_clock_ >= cs.clock && cs.base < gate_) {
       Break(Error(StatusCode::kFailedPrecondition,
                   "the gradient of clock {} was computed on version {}, but the delay bound "
                   "needs version >= {}: pull every tensor after the previous push completes",
@@ -574,10 +643,11 @@ class WorkerNode final : public Worker, public TransportHandler {
       return;
     }
     FrameHeader h = MakeHeader(MsgType::kCommit, job_.worker_id);
-    h.round = cs.clock;
-    h.aux = cs.base;
-    h.flags = cs.pushes == 0 ? kFlagEmpty : 0;
-    Status st = SendControl(*transport_, scheduler_, h);
+    h.set_clock(cs.clock);
+    h.set_base(cs.base);
+    h.flags = empty ? kFlagEmpty : 0;
+    EncodeCommit(cs.proof, commit_meta_);
+    Status st = transport_->Send(scheduler_, h, commit_meta_, nullptr, 0);
     if (!st.ok()) {
       Break(st.WithContext("commit"));
       return;
@@ -585,22 +655,30 @@ class WorkerNode final : public Worker, public TransportHandler {
     cs.commit_sent = true;
   }
 
-  void OnSliceAck(const FrameHeader& h) {
+  void OnSliceAck(const FrameHeader& h, std::span<const std::byte> meta) {
     const uint32_t op = OpOf(h.request);
     if (op == kNoOp) return;
     Op& o = ops_[op];
     if (o.kind == OpKind::kInit) {
-      o.version = std::min(o.version, h.aux);
-      if (h.tensor < tensors_.size() && h.slice < tensors_[h.tensor].slice_version.size()) {
+      o.version = std::min(o.version, h.slice_version());
+      if (h.tensor() < tensors_.size() &&
+          h.slice() < tensors_[h.tensor()].slice_version.size()) {
         // The slice's version now; our own init values are that version only if we created it.
-        tensors_[h.tensor].slice_version[h.slice] = 0;
+        tensors_[h.tensor()].slice_version[h.slice()] = 0;
       }
       if (--o.outstanding == 0) FinishOp(op, Status::Ok());
       return;
     }
     if (o.kind != OpKind::kPush) return;
     for (ClockState& cs : clocks_) {
-      if (cs.clock == o.clock && cs.acks_outstanding > 0) --cs.acks_outstanding;
+      if (cs.clock != o.clock) continue;
+      if (cs.acks_outstanding > 0) --cs.acks_outstanding;
+      // The server staged every slice of the tensor it holds: its receipt, for the commit.
+      if (meta.size() == kZeroTag.size()) {
+        Tag receipt;
+        std::memcpy(receipt.data(), meta.data(), receipt.size());
+        XorInto(cs.proof.receipts, receipt);
+      }
     }
     if (o.outstanding > 0) --o.outstanding;
     // A push completes with its clock's commit (OnCommitAck), not here.
@@ -622,7 +700,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     if (cs.advance_op != kNoOp) FinishOp(cs.advance_op, Status::Ok());
-    if (h.aux != kNoGate) OpenGate(cs.clock + 1, h.aux);
+    if (h.min_version() != kNoGate) OpenGate(cs.clock + 1, h.min_version());
     TryCommit();
   }
 
@@ -649,13 +727,14 @@ class WorkerNode final : public Worker, public TransportHandler {
     if (o.receiving > 0) --o.receiving;
     if (o.done) return;  // failed meanwhile (Break); the waiter only needed receiving == 0
     Tensor& t = tensors_[o.tensor];
-    if (h.aux < t.slice_version[h.slice]) {
+    const Version v = h.slice_version();
+    if (v < t.slice_version[h.slice()]) {
       // Freshness (invariant 3) says this cannot happen; make it loud if it does.
       spdlog::error("worker {}: tensor {} slice {} went back from version {} to {}",
-                    job_.worker_id, o.tensor, h.slice, t.slice_version[h.slice], h.aux);
+                    job_.worker_id, o.tensor, h.slice(), t.slice_version[h.slice()], v);
     }
-    t.slice_version[h.slice] = std::max(t.slice_version[h.slice], h.aux);
-    o.version = std::min(o.version, h.aux);
+    t.slice_version[h.slice()] = std::max(t.slice_version[h.slice()], v);
+    o.version = std::min(o.version, v);
     if (--o.outstanding > 0) return;
     t.version = *std::min_element(t.slice_version.begin(), t.slice_version.end());
     RecomputeBase();
@@ -665,8 +744,8 @@ class WorkerNode final : public Worker, public TransportHandler {
       // so rounds need not wait for this worker more than the bound requires.
       if (++pulled_count_ == tensors_.size() && !job_.observer) {
         FrameHeader b = MakeHeader(MsgType::kBegin, job_.worker_id);
-        b.round = clock_;
-        b.aux = base_;
+        b.set_clock(clock_);
+        b.set_base(base_);
         (void)SendControl(*transport_, scheduler_, b);
       }
     }
@@ -675,7 +754,7 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   void OnError(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     Status st = ErrorFromFrame(h, meta);
-    const auto about = static_cast<MsgType>(h.round);
+    const MsgType about = h.refused();
     spdlog::warn("worker {}: {} refused by {}: {}", job_.worker_id, MsgTypeName(about),
                  peer == scheduler_ ? std::string("the scheduler")
                                     : fmt::format("server {}", server_ids_[peer]),
@@ -745,6 +824,10 @@ class WorkerNode final : public Worker, public TransportHandler {
   Status broken_;
   bool handshake_done_ = false;
   std::string handshake_reply_;
+  SteadyClock::time_point handshake_heard_;  // the peer's last word during the handshake
+  std::string pending_why_;                  // what the scheduler said admission waits for
+  uint32_t payload_sends_ = 0;               // sends still reading the caller's memory
+  std::vector<std::byte> commit_meta_;       // reused for every commit
   bool leaving_ = false;
   bool left_ = false;
   bool stop_ = false;

@@ -146,6 +146,13 @@ enum class ConnState { kConnecting, kOpen, kClosed };
 struct Conn {
   PeerId id = ps::kNoPeer;
   bool inbound = false;
+  // Inbound peers are strangers until the handler calls Trust(): one small hello at most,
+  // within the handshake timeout (ps/transport.h).
+  std::atomic<bool> trusted{true};
+  bool pending = false;  // counted in the pending caps (under the transport's mu_)
+  std::string source;    // inbound: the peer's address without the port
+  std::chrono::steady_clock::time_point accepted_at;
+  std::atomic<bool> unread{false};  // arrived messages not yet delivered (progress thread)
   rdma_cm_id* cm = nullptr;
   DeviceRes* dev = nullptr;
   ibv_cq* cq = nullptr;
@@ -420,6 +427,18 @@ class Rdma final : public RdmaTransport {
     if (progress_.joinable()) progress_.join();
   }
 
+  void Trust(PeerId peer) override {
+    std::shared_ptr<Conn> c = Find(peer);
+    if (!c || c->trusted.exchange(true)) return;
+    std::lock_guard lock(mu_);
+    ReleasePendingLocked(*c);
+  }
+
+  bool HasUnreadInput(PeerId peer) const override {
+    std::shared_ptr<Conn> c = Find(peer);
+    return c && c->unread.load();
+  }
+
   std::string PeerAddress(PeerId peer) const override {
     auto c = Find(peer);
     return c ? c->address : fmt::format("peer {}", peer);
@@ -491,8 +510,61 @@ class Rdma final : public RdmaTransport {
 
   void Forget(const std::shared_ptr<Conn>& c) {
     std::lock_guard lock(mu_);
+    ReleasePendingLocked(*c);
+    if (c->inbound && by_cm_.contains(c->cm)) --inbound_;
     conns_.erase(c->id);
     by_cm_.erase(c->cm);
+  }
+
+  void ReleasePendingLocked(Conn& c) {
+    if (!c.pending) return;
+    c.pending = false;
+    --pending_;
+    if (auto it = pending_by_source_.find(c.source);
+        it != pending_by_source_.end() && --it->second == 0) {
+      pending_by_source_.erase(it);
+    }
+  }
+
+  // Whether one more stranger from `source` may connect; counts it when so.
+  bool AdmitPendingLocked(const std::string& source, std::string* why) {
+    const ps::AdmissionLimits& lim = options_.admission;
+    if (inbound_ >= lim.max_connections) {
+      *why = fmt::format("{} connections are open, the most this listener takes", inbound_);
+    } else if (pending_ >= lim.max_pending) {
+      *why = fmt::format("{} connections have not authenticated yet", pending_);
+    } else if (pending_by_source_[source] >= lim.max_pending_per_source) {
+      *why = fmt::format("{} connections from {} have not authenticated yet",
+                         pending_by_source_[source], source);
+    } else {
+      ++inbound_;
+      ++pending_;
+      ++pending_by_source_[source];
+      return true;
+    }
+    if (pending_by_source_[source] == 0) pending_by_source_.erase(source);
+    return false;
+  }
+
+  // Strangers past the handshake timeout are dropped (progress thread).
+  void ExpireStrangers() {
+    const auto now = SteadyClock::now();
+    if (now - last_expiry_check_ < std::chrono::milliseconds(50)) return;
+    last_expiry_check_ = now;
+    std::vector<std::shared_ptr<Conn>> late;
+    {
+      std::lock_guard lock(mu_);
+      for (auto& [id, c] : conns_) {
+        if (c->pending && now - c->accepted_at > options_.admission.handshake_timeout) {
+          late.push_back(c);
+        }
+      }
+    }
+    for (auto& c : late) {
+      Teardown(c, Error(StatusCode::kDeadlineExceeded,
+                        "{} did not authenticate within the handshake timeout of {} ms",
+                        c->address, options_.admission.handshake_timeout.count()));
+    }
   }
 
   void Wake() {
@@ -733,6 +805,7 @@ class Rdma final : public RdmaTransport {
       bool busy = HandleCmEvents();
       busy |= PollCqs();
       busy |= HandleCloseRequests();
+      ExpireStrangers();
       const auto now = SteadyClock::now();
       if (busy) {
         last_busy = now;
@@ -851,6 +924,7 @@ class Rdma final : public RdmaTransport {
           // Everything up to this slot has arrived (RC delivers in order).
           const uint64_t at = c->arrived % c->slots;
           c->arrived += (value + c->slots - at) % c->slots + 1;
+          c->unread.store(true);
           ProcessRing(c);
           return;
         }
@@ -1013,7 +1087,9 @@ class Rdma final : public RdmaTransport {
                          (rts && (fh.payload_len == 0 || sh.rts_id >= c->fifo)))) {
         valid = Error(StatusCode::kProtocol, "inconsistent frame lengths");
       }
+      if (valid.ok() && !c->trusted.load()) valid = ps::CheckUnauthenticatedFrame(fh);
       if (!valid.ok()) {
+        spdlog::warn("RDMA: dropping the connection from {}: {}", c->address, valid.message());
         Teardown(c, valid.WithContext(fmt::format("frame from {}", c->address)));
         return;
       }
@@ -1070,6 +1146,7 @@ class Rdma final : public RdmaTransport {
       cts.token = rin.token;
       SendCts(c, sh.rts_id, cts);
     }
+    c->unread.store(c->recv_seq < c->arrived || c->rin.active);
   }
 
   void ConsumeSlots(const std::shared_ptr<Conn>& c, uint32_t n) {
@@ -1340,13 +1417,37 @@ class Rdma final : public RdmaTransport {
     auto conn = std::make_shared<Conn>();
     conn->id = next_peer_++;
     conn->inbound = true;
+    conn->trusted.store(false);
+    conn->accepted_at = SteadyClock::now();
     conn->cm = id;
     id->context = conn.get();
     conn->address = AddrText(rdma_get_peer_addr(id));
+    conn->source = conn->address.substr(0, conn->address.rfind(':'));
+    {
+      // Refused before its ring is allocated and registered.
+      std::string why;
+      std::lock_guard lock(mu_);
+      if (!AdmitPendingLocked(conn->source, &why)) {
+        const auto now = SteadyClock::now();
+        if (now - last_cap_warning_ > std::chrono::seconds(1)) {
+          last_cap_warning_ = now;
+          spdlog::warn("RDMA: refusing connections from {} for now: {}", conn->address, why);
+        }
+        rdma_reject(id, nullptr, 0);
+        rdma_destroy_id(id);
+        return;
+      }
+      conn->pending = true;
+    }
     Status st = SetUp(*conn);
     if (st.ok()) st = CheckHello(*conn, pdata, plen, &conn->remote);
     if (!st.ok()) {
       spdlog::warn("RDMA: refusing {}: {}", conn->address, st.message());
+      {
+        std::lock_guard lock(mu_);
+        ReleasePendingLocked(*conn);
+        --inbound_;
+      }
       rdma_reject(id, nullptr, 0);
       if (conn->qp) rdma_destroy_qp(id);
       if (conn->cq) ibv_destroy_cq(conn->cq);
@@ -1388,6 +1489,11 @@ class Rdma final : public RdmaTransport {
   std::unordered_map<rdma_cm_id*, std::shared_ptr<Conn>> by_cm_;
   std::vector<std::shared_ptr<Conn>> close_requests_;
   std::vector<std::pair<const void*, size_t>> pinned_;  // RegisterMemory'd, for new devices
+  uint32_t inbound_ = 0;                                // inbound connections set up
+  uint32_t pending_ = 0;                                // of them not authenticated yet
+  std::unordered_map<std::string, uint32_t> pending_by_source_;
+  SteadyClock::time_point last_cap_warning_;
+  SteadyClock::time_point last_expiry_check_;           // progress thread only
   std::atomic<const ps::DeviceMemory*> device_memory_{nullptr};  // GPUDirect RDMA, once on
 
   std::atomic<uint64_t> eager_{0}, rendezvous_{0}, sleeps_{0};

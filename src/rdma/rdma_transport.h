@@ -1,5 +1,5 @@
-// The RDMA implementation of the Transport seam (issue 5): libibverbs for data, librdmacm
-// for connection setup, one RC queue pair per peer.
+// The RDMA implementation of the Transport seam: libibverbs for data, librdmacm for
+// connection setup, one RC queue pair per peer.
 //
 // Protocol (see rdma_transport.cc for the details and the reasons):
 // - Small frames (header + metadata + payload fit in one slot) are *eager*: copied into a
@@ -34,6 +34,9 @@ struct RdmaOptions {
   // After the last completion the progress thread keeps polling this long before it sleeps
   // on the completion channel: low latency under load, no core burnt when idle.
   std::chrono::microseconds spin{200};
+  // Inbound connections before they authenticate (ps/transport.h): each costs a registered
+  // ring, so they are capped before any is set up.
+  ps::AdmissionLimits admission;
 };
 
 struct RdmaStats {

@@ -13,12 +13,21 @@
 
 namespace dsync::ps {
 
+AdmissionLimits AdmissionLimitsOf(const Config& config) {
+  AdmissionLimits a;
+  a.handshake_timeout = std::chrono::milliseconds(config.handshake_timeout_ms);
+  a.max_pending = config.max_pending_connections;
+  a.max_pending_per_source = config.max_pending_per_source;
+  return a;
+}
+
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
 #if DSYNC_HAVE_RDMA
   if (config.transport == "rdma" || config.transport == "auto") {
     rdma::RdmaOptions o;
     o.device.device = config.rdma_device;
     o.device.gid_index = config.gid_index;
+    o.admission = AdmissionLimitsOf(config);
     auto t = rdma::MakeRdmaTransport(o);
     if (t.ok()) return std::unique_ptr<Transport>(std::move(*t));
     if (config.transport == "rdma") return t.status();
@@ -31,7 +40,8 @@ Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
   }
 #endif
   if (config.transport == "tcp" || config.transport == "auto") {
-    return tcp::MakeTcpTransport({std::chrono::microseconds(config.link_delay_us)});
+    return tcp::MakeTcpTransport(
+        {std::chrono::microseconds(config.link_delay_us), AdmissionLimitsOf(config)});
   }
   return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
                config.transport);

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -33,6 +35,9 @@ constexpr size_t kScratchBytes = 64u << 10;  // drain buffer for discarded paylo
 constexpr int kMaxIov = 256;                 // iovecs per sendmsg (IOV_MAX is 1024)
 // How long a connection refusing an incompatible peer waits for its kError frame to leave.
 constexpr auto kLingerTimeout = std::chrono::seconds(5);
+// How often an idle accept thread wakes to join the threads of connections that ended, so
+// that what a burst of strangers cost is given back without waiting for the next connection.
+constexpr int kReapIntervalMs = 500;
 
 // The transport whose thread this is, to catch Shutdown() from inside a callback.
 thread_local const TcpTransport* tls_running = nullptr;
@@ -59,6 +64,17 @@ std::string PeerName(int fd) {
   socklen_t len = sizeof(ss);
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "unknown";
   return FormatAddress(reinterpret_cast<sockaddr*>(&ss));
+}
+
+// The address without the port: what the per-source caps count by.
+std::string SourceOf(const sockaddr* sa) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (sa->sa_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(sa)->sin_addr, ip, sizeof(ip));
+  } else if (sa->sa_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr, ip, sizeof(ip));
+  }
+  return ip;
 }
 
 void SetNoDelay(int fd) {
@@ -129,7 +145,7 @@ bool RetryableConnectError(int err) {
          err == ECONNRESET || err == ECONNABORTED || err == EAGAIN || err == EINTR;
 }
 
-enum class Io { kOk, kEof, kError, kClosed };
+enum class Io { kOk, kEof, kError, kClosed, kTimeout };
 
 struct IoResult {
   Io io = Io::kOk;
@@ -137,9 +153,22 @@ struct IoResult {
   int err = 0;
 };
 
+// Waits until fd is readable or `deadline` passes (false).
+bool WaitReadable(int fd, Clock::time_point deadline) {
+  for (;;) {
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd pfd{fd, POLLIN, 0};
+    const int rc = poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left, 60'000)));
+    if (rc > 0 || (rc < 0 && errno != EINTR)) return true;  // errors show in the recv
+  }
+}
+
 // Reads exactly n bytes, stopping early when the connection is being closed locally so
-// that a closed peer's large payload is not drained.
-IoResult RecvAll(int fd, void* buf, size_t n, const std::atomic<bool>& closing) {
+// that a closed peer's large payload is not drained. With a deadline (a peer that has not
+// authenticated), bytes trickling in do not extend it.
+IoResult RecvAll(int fd, void* buf, size_t n, const std::atomic<bool>& closing,
+                 std::optional<Clock::time_point> deadline = std::nullopt) {
   IoResult r;
   auto* p = static_cast<std::byte*>(buf);
   while (r.got < n) {
@@ -147,7 +176,12 @@ IoResult RecvAll(int fd, void* buf, size_t n, const std::atomic<bool>& closing) 
       r.io = Io::kClosed;
       return r;
     }
-    ssize_t k = recv(fd, p + r.got, n - r.got, MSG_WAITALL);
+    if (deadline && !WaitReadable(fd, *deadline)) {
+      r.io = Io::kTimeout;
+      return r;
+    }
+    ssize_t k = recv(fd, p + r.got, n - r.got, deadline ? MSG_DONTWAIT : MSG_WAITALL);
+    if (k < 0 && errno == EAGAIN && deadline) continue;
     if (k > 0) {
       r.got += static_cast<size_t>(k);
     } else if (k == 0) {
@@ -178,10 +212,11 @@ struct OutFrame {
 };
 
 struct Conn {
-  Conn(PeerId id_, int fd_, bool inbound_, std::string address_, ps::TransportHandler* h,
-       std::chrono::microseconds delay)
-      : id(id_), fd(fd_), inbound(inbound_), address(std::move(address_)), handler(h),
-        send_delay(delay) {}
+  Conn(PeerId id_, int fd_, bool inbound_, std::string address_, std::string source_,
+       ps::TransportHandler* h, std::chrono::microseconds delay)
+      : id(id_), fd(fd_), inbound(inbound_), address(std::move(address_)),
+        source(std::move(source_)), handler(h), send_delay(delay), trusted(!inbound_),
+        pending(inbound_), accepted_at(std::chrono::steady_clock::now()) {}
   // The fd is closed only here, after both threads are joined, so a concurrent Close()
   // holding a reference can never shut down a reused descriptor.
   ~Conn() { close(fd); }
@@ -218,8 +253,15 @@ struct Conn {
   const int fd;
   const bool inbound;
   const std::string address;
+  const std::string source;  // inbound: the peer's address without the port
   ps::TransportHandler* const handler;
   const std::chrono::microseconds send_delay;
+  // Outbound connections go where this node chose; inbound ones are strangers until the
+  // handler calls Trust().
+  std::atomic<bool> trusted;
+  bool pending;  // counted in the transport's pending caps (guarded by the transport's mu_)
+  const std::chrono::steady_clock::time_point accepted_at;
+  std::atomic<bool> mid_frame{false};  // the reader holds a frame it has not delivered yet
   std::thread reader;  // joined by Reap()/Shutdown()
   std::thread writer;  // joined by the reader
 
@@ -238,7 +280,7 @@ struct Conn {
   std::vector<OutFrame> queue;
   size_t queued = 0;
 
-  // Reader-only buffers, allocated once per connection.
+  // Reader-only buffers, grown on demand: a stranger costs a hello's worth at most.
   std::vector<std::byte> meta_buf;
   std::vector<std::byte> scratch;
 };
@@ -333,6 +375,12 @@ Result<uint16_t> TcpTransport::Listen(const std::string& host, uint16_t port) {
 
 void TcpTransport::AcceptLoop(Listener* l) {
   for (;;) {
+    pollfd pfd{l->fd, POLLIN, 0};
+    if (poll(&pfd, 1, kReapIntervalMs) == 0) {
+      if (l->stopping.load()) return;
+      Reap();
+      continue;
+    }
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     int fd = accept4(l->fd, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
@@ -351,8 +399,49 @@ void TcpTransport::AcceptLoop(Listener* l) {
       return;
     }
     Reap();
-    auto peer = Adopt(fd, true);
+    auto peer = Adopt(fd, true, SourceOf(reinterpret_cast<sockaddr*>(&ss)));
     if (!peer.ok()) spdlog::debug("tcp: dropped inbound connection: {}", peer.status().message());
+  }
+}
+
+bool TcpTransport::AdmitPendingLocked(const std::string& source, std::string* why) {
+  const ps::AdmissionLimits& lim = options_.admission;
+  if (inbound_ >= lim.max_connections) {
+    *why = fmt::format("{} connections are open, the most this listener takes", inbound_);
+  } else if (pending_ >= lim.max_pending) {
+    *why = fmt::format("{} connections have not authenticated yet, the most it waits for",
+                       pending_);
+  } else if (pending_by_source_[source] >= lim.max_pending_per_source) {
+    *why = fmt::format("{} connections from {} have not authenticated yet, the most it takes "
+                       "from one address",
+                       pending_by_source_[source], source);
+  } else {
+    ++inbound_;
+    ++pending_;
+    ++pending_by_source_[source];
+    return true;
+  }
+  if (pending_by_source_[source] == 0) pending_by_source_.erase(source);
+  return false;
+}
+
+void TcpTransport::ReleasePending(Conn& c) {
+  std::lock_guard lock(mu_);
+  ReleasePendingLocked(c);
+}
+
+void TcpTransport::ForgetInboundLocked(Conn& c) {
+  ReleasePendingLocked(c);
+  if (c.inbound) --inbound_;
+}
+
+void TcpTransport::ReleasePendingLocked(Conn& c) {
+  if (!c.pending) return;
+  c.pending = false;
+  --pending_;
+  if (auto it = pending_by_source_.find(c.source);
+      it != pending_by_source_.end() && --it->second == 0) {
+    pending_by_source_.erase(it);
   }
 }
 
@@ -397,7 +486,7 @@ Result<PeerId> TcpTransport::Connect(const std::string& host, uint16_t port, uin
                host, port, secs, last_error);
 }
 
-Result<PeerId> TcpTransport::Adopt(int fd, bool inbound) {
+Result<PeerId> TcpTransport::Adopt(int fd, bool inbound, std::string source) {
   SetNoDelay(fd);
   std::string address = PeerName(fd);
   std::unique_lock lock(mu_);
@@ -405,9 +494,23 @@ Result<PeerId> TcpTransport::Adopt(int fd, bool inbound) {
     close(fd);
     return Error(StatusCode::kAborted, "transport is shut down");
   }
+  if (inbound) {
+    // Refused before any thread or buffer exists for it: a flood of strangers costs an
+    // accept and a close each.
+    std::string why;
+    if (!AdmitPendingLocked(source, &why)) {
+      close(fd);
+      const auto now = Clock::now();
+      if (now - last_cap_warning_ > std::chrono::seconds(1)) {
+        last_cap_warning_ = now;
+        spdlog::warn("tcp: refusing connections from {} for now: {}", address, why);
+      }
+      return Error(StatusCode::kResourceExhausted, "refused {}: {}", address, why);
+    }
+  }
   const PeerId id = next_peer_.fetch_add(1);
-  auto c = std::make_shared<Conn>(id, fd, inbound, std::move(address), handler_.load(),
-                                  options_.send_delay);
+  auto c = std::make_shared<Conn>(id, fd, inbound, std::move(address), std::move(source),
+                                  handler_.load(), options_.send_delay);
   // Threads start under mu_ so that ReaderMain cannot reach finished_ (and be joined)
   // before c->reader is assigned.
   try {
@@ -416,6 +519,7 @@ Result<PeerId> TcpTransport::Adopt(int fd, bool inbound) {
       WriterMain(*p);
     });
   } catch (const std::system_error& e) {
+    ForgetInboundLocked(*c);
     return Error(StatusCode::kUnavailable, "cannot start a connection thread: {}", e.what());
   }
   try {
@@ -426,6 +530,7 @@ Result<PeerId> TcpTransport::Adopt(int fd, bool inbound) {
   } catch (const std::system_error& e) {
     c->Fail(Status(StatusCode::kAborted, "no reader thread"));
     c->writer.join();
+    ForgetInboundLocked(*c);
     return Error(StatusCode::kUnavailable, "cannot start a connection thread: {}", e.what());
   }
   conns_.emplace(id, std::move(c));
@@ -452,6 +557,7 @@ void TcpTransport::ReaderMain(std::shared_ptr<Conn> c) {
   spdlog::debug("tcp: peer {} ({}) disconnected: {}", c->id, c->address, reason.ToString());
   c->handler->OnDisconnected(c->id, reason);
   std::lock_guard lock(mu_);
+  ForgetInboundLocked(*c);
   conns_.erase(c->id);
   finished_.push_back(std::move(c));
   // Notified under the lock: once Shutdown() sees the list drained, this thread no longer
@@ -460,9 +566,13 @@ void TcpTransport::ReaderMain(std::shared_ptr<Conn> c) {
 }
 
 Status TcpTransport::ReadFrames(Conn& c, bool* linger) {
-  c.meta_buf.resize(ps::kMaxMetaBytes);
   auto ended = [&](const IoResult& r, std::string_view what) -> Status {
     if (r.io == Io::kClosed) return c.Reason();
+    if (r.io == Io::kTimeout) {
+      return Error(StatusCode::kDeadlineExceeded,
+                   "{} did not authenticate within the handshake timeout of {} ms", c.address,
+                   options_.admission.handshake_timeout.count());
+    }
     if (r.io == Io::kEof) {
       if (what.empty())
         return Error(StatusCode::kUnavailable, "{} closed the connection", c.address);
@@ -472,26 +582,39 @@ Status TcpTransport::ReadFrames(Conn& c, bool* linger) {
     return Error(StatusCode::kUnavailable, "connection to {} broke: {}", c.address,
                  ErrnoText(r.err));
   };
+  // Tells a peer why it is dropped, rather than leaving it to guess from a reset.
+  auto refuse = [&](const FrameHeader& h, const Status& st) {
+    spdlog::warn("tcp: dropping the connection from {}: {}", c.address, st.message());
+    FrameHeader err = ps::MakeHeader(ps::MsgType::kError, 0);
+    err.status = static_cast<uint16_t>(st.code());
+    err.request = h.request;
+    err.set_refused(h.msg_type());
+    *linger = Enqueue(c, err, ps::AsBytes(st.message()), nullptr, 0, {}).ok();
+    return st.WithContext(fmt::format("frame from {}", c.address));
+  };
 
   for (;;) {
+    // A stranger's reads share one deadline: trickling bytes do not extend it.
+    std::optional<Clock::time_point> deadline;
+    if (!c.trusted.load()) deadline = c.accepted_at + options_.admission.handshake_timeout;
     FrameHeader h;
-    IoResult r = RecvAll(c.fd, &h, sizeof(h), c.closing);
+    IoResult r = RecvAll(c.fd, &h, sizeof(h), c.closing, deadline);
     if (r.io != Io::kOk) return ended(r, r.got == 0 ? "" : "a frame header");
+    c.mid_frame.store(true);
 
     if (Status st = ValidateHeader(h); !st.ok()) {
+      if (st.code() == StatusCode::kUnimplemented) return refuse(h, st);
       spdlog::warn("tcp: dropping the connection from {}: {}", c.address, st.message());
-      if (st.code() == StatusCode::kUnimplemented) {
-        // Tell an incompatible peer why, rather than leaving it to guess from a reset.
-        FrameHeader err = ps::MakeHeader(ps::MsgType::kError, 0);
-        err.status = static_cast<uint16_t>(st.code());
-        err.request = h.request;
-        *linger = Enqueue(c, err, ps::AsBytes(st.message()), nullptr, 0, {}).ok();
-      }
       return st.WithContext(fmt::format("frame from {}", c.address));
     }
+    if (deadline) {
+      // Nothing beyond a hello's size is read from a peer that has not authenticated.
+      if (Status st = ps::CheckUnauthenticatedFrame(h); !st.ok()) return refuse(h, st);
+    }
 
+    if (c.meta_buf.size() < h.meta_len) c.meta_buf.resize(h.meta_len);
     const std::span<const std::byte> meta(c.meta_buf.data(), h.meta_len);
-    r = RecvAll(c.fd, c.meta_buf.data(), h.meta_len, c.closing);
+    r = RecvAll(c.fd, c.meta_buf.data(), h.meta_len, c.closing, deadline);
     if (r.io != Io::kOk) return ended(r, fmt::format("a {} frame", MsgTypeName(h.msg_type())));
 
     void* dst = c.handler->OnHeader(c.id, h, meta);
@@ -515,6 +638,7 @@ Status TcpTransport::ReadFrames(Conn& c, bool* linger) {
       }
     }
     c.handler->OnFrame(c.id, h, meta, dst);
+    c.mid_frame.store(false);
   }
 }
 
@@ -730,6 +854,20 @@ std::shared_ptr<Conn> TcpTransport::Find(PeerId peer) const {
   std::shared_lock lock(mu_);
   auto it = conns_.find(peer);
   return it == conns_.end() ? nullptr : it->second;
+}
+
+void TcpTransport::Trust(PeerId peer) {
+  std::shared_ptr<Conn> c = Find(peer);
+  if (!c || c->trusted.exchange(true)) return;
+  ReleasePending(*c);
+}
+
+bool TcpTransport::HasUnreadInput(PeerId peer) const {
+  std::shared_ptr<Conn> c = Find(peer);
+  if (!c) return false;
+  if (c->mid_frame.load()) return true;
+  int unread = 0;
+  return ioctl(c->fd, FIONREAD, &unread) == 0 && unread > 0;
 }
 
 std::string TcpTransport::PeerAddress(PeerId peer) const {

@@ -1,4 +1,4 @@
-// The TCP implementation of the Transport seam (DESIGN.md §3).
+// The TCP implementation of the Transport seam.
 //
 // Blocking sockets with one reader and one writer thread per connection and one accept
 // thread per listener: simple to reason about, and at the connection counts of a parameter
@@ -32,6 +32,8 @@ struct TcpOptions {
   // queued (frames keep their order and may overlap, as on a long link). For experiments
   // with a far-away worker on one machine; 0 in production.
   std::chrono::microseconds send_delay{0};
+  // Inbound connections before they authenticate (ps/transport.h).
+  ps::AdmissionLimits admission;
 };
 
 class TcpTransport final : public ps::Transport {
@@ -53,6 +55,8 @@ class TcpTransport final : public ps::Transport {
   // destructor.
   void Shutdown() override;
   std::string PeerAddress(ps::PeerId peer) const override;
+  void Trust(ps::PeerId peer) override;
+  bool HasUnreadInput(ps::PeerId peer) const override;
 
  private:
   using Conn = detail::Conn;
@@ -60,7 +64,15 @@ class TcpTransport final : public ps::Transport {
 
   std::shared_ptr<Conn> Find(ps::PeerId peer) const;
   // Takes ownership of a connected socket and starts its threads.
-  Result<ps::PeerId> Adopt(int fd, bool inbound);
+  Result<ps::PeerId> Adopt(int fd, bool inbound, std::string source = {});
+  // Whether the admission limits let one more unauthenticated connection from `source` in;
+  // counts it when they do. Caller holds mu_.
+  bool AdmitPendingLocked(const std::string& source, std::string* why);
+  // The connection authenticated or ended: it no longer counts as pending.
+  void ReleasePending(Conn& conn);
+  void ReleasePendingLocked(Conn& conn);
+  // The connection ended: it no longer counts at all. Caller holds mu_.
+  void ForgetInboundLocked(Conn& conn);
   void AcceptLoop(Listener* listener);
   void ReaderMain(std::shared_ptr<Conn> conn);
   Status ReadFrames(Conn& conn, bool* linger);
@@ -78,6 +90,10 @@ class TcpTransport final : public ps::Transport {
   std::unordered_map<ps::PeerId, std::shared_ptr<Conn>> conns_;
   std::vector<std::shared_ptr<Conn>> finished_;  // reader done, not yet joined
   std::vector<std::unique_ptr<Listener>> listeners_;
+  uint32_t inbound_ = 0;                                   // inbound connections open
+  uint32_t pending_ = 0;                                   // of them unauthenticated
+  std::unordered_map<std::string, uint32_t> pending_by_source_;
+  std::chrono::steady_clock::time_point last_cap_warning_;  // one warning per second at most
 
   std::mutex shutdown_mu_;  // makes a second Shutdown() wait for the first
 };

@@ -1,0 +1,36 @@
+// The scheduler's audit log: one JSON line per decision, flushed at once, so that the log
+// holds every decision even if the job dies right after (Config::audit_log).
+#pragma once
+
+#include <cstdio>
+#include <map>
+#include <string>
+
+#include "dsync/status.h"
+#include "dsync/types.h"
+
+namespace dsync::ps {
+
+class AuditLog {
+ public:
+  AuditLog() = default;
+  ~AuditLog();
+  AuditLog(const AuditLog&) = delete;
+  AuditLog& operator=(const AuditLog&) = delete;
+
+  // An empty path keeps no log.
+  Status Open(const std::string& path);
+  bool enabled() const { return file_ != nullptr; }
+
+  // {"round":R,"live":L,"quorum":Q,"members":[[worker,clock,base],...]}
+  void Round(const RoundRecord& rec);
+  // {"policy":{"from_round":R,"quorum":Q,"allowance":{"worker":rounds,...}}}
+  void Policy(dsync::Round from_round, uint32_t quorum,
+              const std::map<WorkerId, uint32_t>& allowance);
+
+ private:
+  void Write(const fmt::memory_buffer& line);
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace dsync::ps
