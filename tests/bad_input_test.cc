@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cluster_harness.h"
+#include "ps/commit_proof.h"
 #include "ps/handshake.h"
 #include "ps/protocol.h"
 #include "raw_client.h"
@@ -668,6 +669,170 @@ class BadInputTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(AfterCase(before, drops.size() + 4, drops.size()));
   }
 
+  // 13. Impostors at a server's door: a second link under an admitted id, an admitted
+  // credential presented for another id, an id nobody was admitted as (with no credential
+  // and with a made-up one). Each is refused and dropped before anything it sends is read.
+  void CaseImpostors() {
+    SCOPED_TRACE("impostors");
+    const auto before = Snapshot();
+    const uint64_t staged = server0().stats().staged_slices;  // earlier cases' pushes
+    RawClient first;
+    ASSERT_NO_FATAL_FAILURE(Authenticate(first, port0()));
+    struct Impostor {
+      std::string meta;
+      StatusCode code;
+      std::string mention;
+    };
+    ps::Tag made_up{};
+    made_up.fill(0x42);
+    const std::vector<Impostor> impostors = {
+        {member_.HelloTo(kToken), StatusCode::kAlreadyExists, "a second connection under its id"},
+        {HelloMeta(kToken, worker_->job().worker_id), StatusCode::kPermissionDenied,
+         "presented no valid credential"},
+        {[&] {
+           ps::Hello h;
+           h.token = kToken;
+           h.node = worker_->job().worker_id;
+           h.credential = member_.welcome().credential;  // the member's, for another id
+           return ps::EncodeHello(h);
+         }(),
+         StatusCode::kPermissionDenied, "presented no valid credential"},
+        {HelloMeta(kToken, kFakeWorker), StatusCode::kPermissionDenied, "no valid credential"},
+        {[&] {
+           ps::Hello h;
+           h.token = kToken;
+           h.node = kFakeWorker;
+           h.credential = made_up;
+           return ps::EncodeHello(h);
+         }(),
+         StatusCode::kPermissionDenied, "no valid credential"},
+    };
+    uint64_t request = 140;
+    const auto poison = Poison(kSliceFloats);
+    for (const Impostor& i : impostors) {
+      SCOPED_TRACE(i.mention);
+      RawClient c;
+      ASSERT_TRUE(c.Connect(port0())) << c.error();
+      ++request;
+      ASSERT_TRUE(c.SendFrame(Header(MsgType::kHello, request), i.meta)) << c.error();
+      // A push for a future clock right behind the hello: never staged.
+      (void)c.SendFrame(PushHeader(0, 0, worker_->clock() + 1, request + 100), {}, poison.data(),
+                        kSliceBytes);
+      auto f = c.ReadFrame();
+      ASSERT_NO_FATAL_FAILURE(ExpectError(f, c, i.code, MsgType::kHello, request, {i.mention}));
+      // The push behind it is refused by the transport too (a stranger's frame), then the
+      // link closes; nothing else ever comes back.
+      for (auto more = c.ReadFrame(); more; more = c.ReadFrame()) {
+        EXPECT_EQ(more->header.msg_type(), MsgType::kError) << more->meta;
+      }
+      EXPECT_TRUE(c.peer_closed()) << c.error();
+      EXPECT_TRUE(CaptureSink::Get().Find({ServerRefusal(MsgType::kHello, c), i.mention}));
+    }
+    ASSERT_NO_FATAL_FAILURE(ExpectLinkUsable(first, 160));
+    EXPECT_EQ(CountersOf(server0()).pushes, before[0].pushes) << "nothing was staged";
+    EXPECT_EQ(server0().stats().staged_slices, staged);
+    ASSERT_NO_FATAL_FAILURE(AfterCase(before, impostors.size(), impostors.size()));
+  }
+
+  // A commit of `clock` on the member's scheduler link, claiming `tensors`.
+  static bool SendCommit(Member& m, Clock clock, std::vector<ps::CommittedTensor> tensors,
+                         ps::Tag receipts, uint64_t request) {
+    ps::CommitProof proof;
+    proof.tensors = std::move(tensors);
+    proof.receipts = receipts;
+    std::vector<std::byte> meta;
+    ps::EncodeCommit(proof, meta);
+    FrameHeader h = ps::MakeHeader(MsgType::kCommit, m.id());
+    h.request = request;
+    h.set_clock(clock);
+    h.set_base(0);
+    return m.SendToScheduler(h, ps::AsText(meta));
+  }
+
+  // The scheduler refused member m's commit as unproved and expelled it; no round ever
+  // named it, and the servers reclaimed what it staged at once.
+  void ExpectUnprovedCommitExpelled(Member& m, uint64_t request, uint32_t failed_before,
+                                    uint64_t staged_before) {
+    auto f = m.ReadFromScheduler();
+    ASSERT_TRUE(f.has_value()) << "no answer to the commit";
+    ASSERT_EQ(f->header.msg_type(), MsgType::kError) << ps::MsgTypeName(f->header.msg_type());
+    EXPECT_EQ(f->header.refused(), MsgType::kCommit);
+    EXPECT_EQ(f->header.request, request);
+    EXPECT_EQ(f->header.status, static_cast<uint16_t>(StatusCode::kPermissionDenied)) << f->meta;
+    EXPECT_NE(f->meta.find("not proved by the servers' receipts"), std::string::npos) << f->meta;
+    EXPECT_TRUE(m.SchedulerClosed()) << "the worker is dropped";
+    const auto deadline = SteadyClock::now() + kReplyTimeout;
+    while ((cluster_->scheduler().stats().workers_failed == failed_before ||
+            server0().stats().staged_slices != staged_before) &&
+           SteadyClock::now() < deadline) {
+      std::this_thread::sleep_for(2ms);
+    }
+    EXPECT_EQ(cluster_->scheduler().stats().workers_failed, failed_before + 1)
+        << "expelled: declared failed";
+    ++expect_failed_;
+    EXPECT_EQ(server0().stats().staged_slices, staged_before) << "its staging reclaimed at once";
+    EXPECT_NE(CaptureSink::Get().Find({fmt::format("worker {} declared dead", m.id()),
+                                       "its commit was refused"}),
+              std::nullopt);
+    for (const RoundRecord& r : cluster_->scheduler().history()) {
+      for (const RoundMember& mem : r.members) EXPECT_NE(mem.worker, m.id()) << r.round;
+    }
+  }
+
+  // 14. Commits the servers did not prove: one with no push at all; one after a push of one
+  // slice; one after every slice of a tensor on one server but none on the other. Each is
+  // refused, its worker expelled, its staging reclaimed; the model never sees it.
+  void CaseUnprovedCommits() {
+    SCOPED_TRACE("unproved commits");
+    const auto before = Snapshot();
+    const uint16_t sched = cluster_->config().scheduler_port;
+    // The real worker's tensors: a = 4 slices from rank 0 (ranks 0, 1, 0, 1), b = 1 on rank 0.
+    const std::vector<ps::CommittedTensor> both = {{0, 4, 0}, {1, 1, 0}};
+    const auto poison = Poison(kSliceFloats);
+    uint32_t failed = cluster_->scheduler().stats().workers_failed;
+    const uint64_t staged = server0().stats().staged_slices;  // earlier cases' pushes
+    {
+      Member m;
+      ASSERT_TRUE(m.Join(sched, kToken));
+      ASSERT_TRUE(SendCommit(m, m.welcome().start_clock, both, {}, 171));
+      ASSERT_NO_FATAL_FAILURE(ExpectUnprovedCommitExpelled(m, 171, failed++, staged));
+    }
+    // Push one slice of `a` (rank 0's slice 0), then commit `a` with what the server gave.
+    // Then every slice of `a` on rank 0 (0 and 2), none on rank 1.
+    for (const std::vector<uint32_t>& slices : {std::vector<uint32_t>{0},
+                                                 std::vector<uint32_t>{0, 2}}) {
+      Member m;
+      ASSERT_TRUE(m.Join(sched, kToken));
+      RawClient c;
+      ASSERT_TRUE(c.Connect(port0())) << c.error();
+      ASSERT_TRUE(c.SendFrame(Header(MsgType::kHello, 1), m.HelloTo(kToken))) << c.error();
+      auto ack = c.ReadFrame();
+      ASSERT_TRUE(ack && ack->header.msg_type() == MsgType::kHelloAck) << c.error();
+      ps::Tag receipts{};
+      uint64_t request = 180;
+      for (uint32_t slice : slices) {
+        ASSERT_TRUE(c.SendFrame(PushHeader(0, slice, m.welcome().start_clock, ++request), {},
+                                poison.data(), kSliceBytes))
+            << c.error();
+        auto f = c.ReadFrame();
+        ASSERT_TRUE(f && f->header.msg_type() == MsgType::kPushAck) << c.error();
+        if (f->meta.size() == receipts.size()) {
+          ps::Tag t;
+          std::memcpy(t.data(), f->meta.data(), t.size());
+          ps::XorInto(receipts, t);
+        }
+      }
+      EXPECT_EQ(receipts == ps::Tag{}, slices.size() == 1)
+          << "a receipt comes once every slice of the tensor on that server is staged";
+      EXPECT_EQ(server0().stats().staged_slices, staged + slices.size());
+      ASSERT_TRUE(SendCommit(m, m.welcome().start_clock, {{0, 4, 0}}, receipts, 190));
+      ASSERT_NO_FATAL_FAILURE(ExpectUnprovedCommitExpelled(m, 190, failed++, staged));
+      EXPECT_TRUE(c.IsClosed()) << "the server drops the links of a worker that is gone";
+    }
+    EXPECT_EQ(CountersOf(server0()).pushes, before[0].pushes + 3) << "staged, then reclaimed";
+    ASSERT_NO_FATAL_FAILURE(AfterCase(before, 0, 0));
+  }
+
   // After every case: two more real iterations, the count is exact on every server, only
   // the real worker's gradients were ever applied, and the job ends cleanly.
   void Finish() {
@@ -705,7 +870,7 @@ class BadInputTest : public ::testing::Test {
     Status done = cluster_->WaitFinished();
     EXPECT_TRUE(done.ok()) << done.ToString();
     EXPECT_EQ(cluster_->scheduler().stats().workers_left, 2u);
-    EXPECT_EQ(cluster_->scheduler().stats().workers_failed, 0u);
+    EXPECT_EQ(cluster_->scheduler().stats().workers_failed, expect_failed_);
   }
 
   std::unique_ptr<LocalCluster> cluster_;
@@ -720,6 +885,7 @@ class BadInputTest : public ::testing::Test {
   uint64_t expect_refused_ = 0;  // on server rank 0, over the test's cases
   uint64_t expect_dropped_ = 0;
   uint64_t auth_retries_ = 0;  // hellos refused as a second link of the member
+  uint32_t expect_failed_ = 0;  // workers the cases got expelled
 };
 
 TEST_F(BadInputTest, PushBeforeHelloIsDeniedAndDropped) {
@@ -782,6 +948,16 @@ TEST_F(BadInputTest, OtherHandshakesAndRequestsAreRefused) {
   Finish();
 }
 
+TEST_F(BadInputTest, ImpostorsAreRefusedAtTheServersDoor) {
+  ASSERT_NO_FATAL_FAILURE(CaseImpostors());
+  Finish();
+}
+
+TEST_F(BadInputTest, CommitsTheServersDidNotProveAreRefusedAndTheirWorkersExpelled) {
+  ASSERT_NO_FATAL_FAILURE(CaseUnprovedCommits());
+  Finish();
+}
+
 // Every case against one job, one after the other: refusals do not accumulate into damage.
 TEST_F(BadInputTest, AllCasesInOneJob) {
   ASSERT_NO_FATAL_FAILURE(CaseNoHello());
@@ -796,6 +972,8 @@ TEST_F(BadInputTest, AllCasesInOneJob) {
   ASSERT_NO_FATAL_FAILURE(CaseDuplicatePush());
   ASSERT_NO_FATAL_FAILURE(CaseScheduler());
   ASSERT_NO_FATAL_FAILURE(CaseOtherRefusals());
+  ASSERT_NO_FATAL_FAILURE(CaseImpostors());
+  ASSERT_NO_FATAL_FAILURE(CaseUnprovedCommits());
   const ServerStats s0 = server0().stats();
   EXPECT_EQ(s0.requests_refused, expect_refused_);
   EXPECT_EQ(s0.connections_dropped, expect_dropped_);

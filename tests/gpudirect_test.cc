@@ -21,11 +21,13 @@
 #include "dsync/scheduler.h"
 #include "ps/server_node.h"
 #include "tcp/tcp_transport.h"
+#include "wrapped_transport.h"
 
 namespace dsync {
 namespace {
 
 using testing::StartWorkers;
+using testing::WrappedTcp;
 using testing::TestConfig;
 
 constexpr uint64_t kDirectMin = 16 * 1024;
@@ -105,33 +107,17 @@ class FakeGpuStore final : public ps::ParamStore {
 
 // TCP underneath, GPUDirect claimed on top; every payload the server hands it is checked
 // against the rule EnableDeviceMemory states.
-class DirectTcp final : public ps::Transport, public ps::TransportHandler {
+class DirectTcp final : public WrappedTcp {
  public:
   explicit DirectTcp(bool can, bool register_fails = false)
-      : tcp_(tcp::MakeTcpTransport({})), can_(can), register_fails_(register_fails) {}
-  ~DirectTcp() override { tcp_->Shutdown(); }
+      : can_(can), register_fails_(register_fails) {}
 
   std::string_view name() const override { return "direct-tcp"; }
-  void SetHandler(ps::TransportHandler* h) override {
-    handler_ = h;
-    tcp_->SetHandler(this);
-  }
-  Result<uint16_t> Listen(const std::string& host, uint16_t port) override {
-    return tcp_->Listen(host, port);
-  }
-  Result<ps::PeerId> Connect(const std::string& host, uint16_t port, uint32_t t) override {
-    return tcp_->Connect(host, port, t);
-  }
   Status Send(ps::PeerId peer, ps::FrameHeader h, std::span<const std::byte> meta,
               const void* payload, uint64_t len, ps::SendDone done) override {
     if (len > 0) Check(payload, len, /*receive=*/false);
-    return tcp_->Send(peer, h, meta, payload, len, std::move(done));
+    return WrappedTcp::Send(peer, h, meta, payload, len, std::move(done));
   }
-  void Close(ps::PeerId peer) override { tcp_->Close(peer); }
-  void Shutdown() override { tcp_->Shutdown(); }
-  std::string PeerAddress(ps::PeerId peer) const override { return tcp_->PeerAddress(peer); }
-  void Trust(ps::PeerId peer) override { tcp_->Trust(peer); }
-  bool HasUnreadInput(ps::PeerId peer) const override { return tcp_->HasUnreadInput(peer); }
   Status RegisterMemory(const void* p, size_t bytes) override {
     std::lock_guard lock(mu_);
     if (memory_ && memory_->Contains(p, bytes)) {
@@ -149,22 +135,11 @@ class DirectTcp final : public ps::Transport, public ps::TransportHandler {
     return kDirectMin;
   }
 
-  void OnConnected(ps::PeerId peer, bool inbound) override { handler_->OnConnected(peer, inbound); }
   void* OnHeader(ps::PeerId peer, const ps::FrameHeader& h,
                  std::span<const std::byte> meta) override {
-    void* p = handler_->OnHeader(peer, h, meta);
+    void* p = WrappedTcp::OnHeader(peer, h, meta);
     if (p && h.payload_len > 0) Check(p, h.payload_len, /*receive=*/true);
     return p;
-  }
-  void OnFrame(ps::PeerId peer, const ps::FrameHeader& h, std::span<const std::byte> meta,
-               void* payload) override {
-    handler_->OnFrame(peer, h, meta, payload);
-  }
-  void OnPayloadLost(ps::PeerId peer, const ps::FrameHeader& h, void* payload) override {
-    handler_->OnPayloadLost(peer, h, payload);
-  }
-  void OnDisconnected(ps::PeerId peer, const Status& why) override {
-    handler_->OnDisconnected(peer, why);
   }
 
   struct Counts {
@@ -191,10 +166,8 @@ class DirectTcp final : public ps::Transport, public ps::TransportHandler {
     }
   }
 
-  std::unique_ptr<ps::Transport> tcp_;
   const bool can_;
   const bool register_fails_;  // the probe passed, but mapping GPU memory fails
-  ps::TransportHandler* handler_ = nullptr;
   mutable std::mutex mu_;
   const ps::DeviceMemory* memory_ = nullptr;
   uint64_t device_registered_ = 0;

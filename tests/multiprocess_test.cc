@@ -77,6 +77,17 @@ class Proc {
     done_ = true;
     return -1;
   }
+  void Signal(int sig) const { kill(pid_, sig); }
+  // True once the output holds `text`, waiting up to `timeout`.
+  bool WaitForOutput(const std::string& text, std::chrono::milliseconds timeout) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (Output().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  }
+
   std::string Output() const {
     std::ifstream in(log_);
     std::stringstream ss;
@@ -274,6 +285,95 @@ TEST_F(MultiProcess, RolesBootstrapFromTheEnvironmentAlone) {
   EXPECT_EQ(server.Wait(30s), 0) << server.Output();
   EXPECT_NE(sched.Output().find("sync ssp:1"), std::string::npos) << sched.Output();
   EXPECT_EQ(Completed(w0.Output(), false) + Completed(w1.Output(), false), 30u);
+}
+
+// Processes of one job started by role, as under srun or mpirun: the scheduler on a free
+// port, the servers, then the workers (count model, sum optimizer).
+struct RoleJob {
+  std::map<std::string, std::string> env;
+  std::unique_ptr<Proc> scheduler;
+  std::vector<std::unique_ptr<Proc>> servers, workers;
+
+  RoleJob(const fs::path& dir, uint32_t servers_n, uint32_t workers_n,
+          const std::vector<std::string>& worker_args) {
+    env = {{"DSYNC_SCHEDULER_URI", "127.0.0.1"},
+           {"DSYNC_SCHEDULER_PORT", std::to_string(dsync::testing::FreeLoopbackPort())},
+           {"DSYNC_NUM_SERVERS", std::to_string(servers_n)},
+           {"DSYNC_NUM_WORKERS", std::to_string(workers_n)},
+           {"DSYNC_SYNC", "bsp"},
+           {"DSYNC_OPTIMIZER", "sum"},
+           {"DSYNC_SLICE_BYTES", "4096"},
+           {"DSYNC_HEARTBEAT_MS", "100"},
+           {"DSYNC_HEARTBEAT_TIMEOUT_MS", "800"},
+           {"DSYNC_TOKEN", "role-token"}};
+    scheduler = std::make_unique<Proc>(std::vector<std::string>{DSYNC_BINARY, "scheduler"}, env,
+                                       dir / "scheduler.log");
+    for (uint32_t i = 0; i < servers_n; ++i) {
+      servers.push_back(std::make_unique<Proc>(std::vector<std::string>{DSYNC_BINARY, "server"},
+                                               env, dir / fmt("server{}.log", i)));
+    }
+    for (uint32_t i = 0; i < workers_n; ++i) {
+      std::vector<std::string> args = {DSYNC_BINARY, "worker", "--model", "count",
+                                       "--tensor-elems", "3000"};
+      args.insert(args.end(), worker_args.begin(), worker_args.end());
+      workers.push_back(std::make_unique<Proc>(args, env, dir / fmt("worker{}.log", i)));
+    }
+  }
+  static std::string fmt(const char* pattern, uint32_t i) {
+    std::string s = pattern;
+    return s.replace(s.find("{}"), 2, std::to_string(i));
+  }
+};
+
+// A scheduler that does not run for twice the heartbeat timeout (SIGSTOP: a debugger, a VM
+// steal) evicts nobody when it runs again: the heartbeats that piled up meanwhile are read
+// before anyone is judged, and the job finishes with every gradient.
+TEST_F(MultiProcess, AStalledSchedulerEvictsNobodyWhenItResumes) {
+  RoleJob job(dir_, 1, 3, {"--iters", "120", "--compute-ms", "10"});
+  ASSERT_TRUE(job.workers[2]->WaitForOutput("joined", 20s)) << job.workers[2]->Output();
+  std::this_thread::sleep_for(300ms);
+  job.scheduler->Signal(SIGSTOP);
+  std::this_thread::sleep_for(1600ms);  // 2 x the heartbeat timeout
+  job.scheduler->Signal(SIGCONT);
+  uint64_t total = 0;
+  for (auto& w : job.workers) {
+    EXPECT_EQ(w->Wait(60s), 0) << w->Output();
+    total += Completed(w->Output(), false);
+  }
+  EXPECT_EQ(job.scheduler->Wait(30s), 0) << job.scheduler->Output();
+  EXPECT_EQ(job.servers[0]->Wait(30s), 0) << job.servers[0]->Output();
+  const std::string sched = job.scheduler->Output();
+  EXPECT_EQ(total, 3u * 120u);
+  EXPECT_EQ(sched.find("declared dead"), std::string::npos) << sched;
+  EXPECT_EQ(sched.find("stopped answering"), std::string::npos) << sched;
+  EXPECT_NE(sched.find("this process was stalled for"), std::string::npos) << sched;
+  EXPECT_NE(sched.find("failed 0"), std::string::npos) << sched;
+}
+
+// A hung server (SIGSTOP) is detected within the heartbeat timeout: the job stops, saying
+// which server stopped answering, instead of freezing silently.
+TEST_F(MultiProcess, AHungServerStopsTheJobWithinTheHeartbeatTimeout) {
+  RoleJob job(dir_, 2, 2, {"--iters", "100000", "--compute-ms", "5"});
+  ASSERT_TRUE(job.workers[1]->WaitForOutput("joined", 20s)) << job.workers[1]->Output();
+  std::this_thread::sleep_for(300ms);
+  job.servers[1]->Signal(SIGSTOP);
+  const auto stopped = std::chrono::steady_clock::now();
+  const int status = job.scheduler->Wait(10s);
+  const auto took = std::chrono::steady_clock::now() - stopped;
+  const std::string sched = job.scheduler->Output();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << "\n" << sched;
+  EXPECT_LT(took, 800ms + 1s) << "detected within the timeout + 1 s";
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(
+      sched, m, std::regex("server [12] stopped answering \\(no heartbeat for 800 ms\\)")))
+      << sched;
+  // The workers do not wait forever either: they lose the scheduler and say so.
+  for (auto& w : job.workers) {
+    const int ws = w->Wait(10s);
+    EXPECT_TRUE(WIFEXITED(ws) && WEXITSTATUS(ws) != 0) << ws << "\n" << w->Output();
+    EXPECT_NE(w->Output().find("lost the connection to the scheduler"), std::string::npos)
+        << w->Output();
+  }
 }
 
 TEST_F(MultiProcess, ClearErrorsForBadSetups) {

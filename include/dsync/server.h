@@ -19,6 +19,7 @@ struct ServerStats {
   uint64_t requests_refused = 0;  // bad requests answered with an error
   uint64_t connections_dropped = 0;
   uint64_t slices = 0;
+  uint64_t staged_slices = 0;     // pushed slices held now, waiting for their round
   uint64_t staging_buffers = 0;   // receive buffers the pool has ever created
   uint64_t device_buffers = 0;    // of those, in GPU memory (GPUDirect RDMA)
 };

@@ -72,9 +72,11 @@ Result<Tag> ClientRegistry::Admit(PeerId peer, const Hello& hello) {
   return ServerProof(*key_, server_, hello.node);
 }
 
-void ClientRegistry::MarkGone(WorkerId w, Clock next_clock) {
+PeerId ClientRegistry::MarkGone(WorkerId w, Clock next_clock) {
   std::lock_guard lock(mu_);
   gone_[w] = next_clock;
+  auto c = connected_.find(w);
+  return c == connected_.end() ? kNoPeer : c->second;
 }
 
 Status ClientRegistry::CheckNotGone(WorkerId w, Clock clock) const {

@@ -42,8 +42,9 @@ class ClientRegistry {
   // On success the connection is that client's and the server's proof is returned.
   Result<Tag> Admit(PeerId peer, const Hello& hello);
 
-  // The scheduler says worker w is gone: its clocks from next_clock on are void.
-  void MarkGone(WorkerId w, Clock next_clock);
+  // The scheduler says worker w is gone: its clocks from next_clock on are void. Returns its
+  // connection to drop, if it has one.
+  PeerId MarkGone(WorkerId w, Clock next_clock);
   // kAborted when w's gradient of `clock` can no longer be staged.
   Status CheckNotGone(WorkerId w, Clock clock) const;
 

@@ -31,6 +31,7 @@
 #include "ps/handshake.h"
 #include "ps/keys.h"
 #include "ps/round_rule.h"
+#include "ps/scheduler_node.h"
 
 namespace dsync {
 namespace ps {
@@ -726,9 +727,19 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 Result<std::unique_ptr<Scheduler>> Scheduler::Start(const Config& config) {
   DSYNC_RETURN_IF_ERROR(config.Validate());
   DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
-  auto node = std::make_unique<ps::SchedulerNode>(config, std::move(transport));
+  return ps::StartScheduler(config, std::move(transport));
+}
+
+namespace ps {
+
+Result<std::unique_ptr<Scheduler>> StartScheduler(const Config& config,
+                                                  std::unique_ptr<Transport> transport) {
+  DSYNC_RETURN_IF_ERROR(config.Validate());
+  auto node = std::make_unique<SchedulerNode>(config, std::move(transport));
   DSYNC_RETURN_IF_ERROR(node->Init());
   return std::unique_ptr<Scheduler>(std::move(node));
 }
+
+}  // namespace ps
 
 }  // namespace dsync

@@ -187,6 +187,7 @@ class ServerNode final : public Server, public TransportHandler {
     s.pulls_answered = stats_.pulls_answered;
     s.requests_refused = stats_.requests_refused;
     s.connections_dropped = stats_.connections_dropped;
+    s.staged_slices = stats_.staged_now;
     {
       std::shared_lock lock(slices_mu_);
       s.slices = slice_list_.size();
@@ -495,7 +496,10 @@ class ServerNode final : public Server, public TransportHandler {
         }
       }
       if (error.ok()) error = ledger_.Staged(worker, h.clock(), h.tensor(), &receipt);
-      if (error.ok()) s->staged.push_back({worker, h.clock(), static_cast<float*>(payload)});
+      if (error.ok()) {
+        s->staged.push_back({worker, h.clock(), static_cast<float*>(payload)});
+        ++stats_.staged_now;
+      }
     }
     if (!error.ok()) {
       ReleaseBuffer(payload, h.payload_len);
@@ -610,7 +614,10 @@ class ServerNode final : public Server, public TransportHandler {
 
   // The worker is gone: what it pushed for clocks >= next_clock was never committed.
   void DiscardUncommitted(WorkerId w, Clock next_clock) {
-    clients_.MarkGone(w, next_clock);
+    // No longer a member: nothing it sends is taken any more.
+    if (const PeerId peer = clients_.MarkGone(w, next_clock); peer != kNoPeer) {
+      transport_->Close(peer);
+    }
     std::shared_lock lock(slices_mu_);
     size_t dropped = 0;
     for (SliceState* s : slice_list_) {
@@ -619,6 +626,7 @@ class ServerNode final : public Server, public TransportHandler {
         if (st.worker != w || st.clock < next_clock) return false;
         ReleaseBuffer(st.data, s->elements * sizeof(float));
         ++dropped;
+        --stats_.staged_now;
         return true;
       });
     }
@@ -719,6 +727,7 @@ class ServerNode final : public Server, public TransportHandler {
       for (size_t k = used.size(); k-- > 0;) {
         ReleaseBuffer(s->staged[used[k]].data, s->elements * sizeof(float));
         s->staged.erase(s->staged.begin() + static_cast<std::ptrdiff_t>(used[k]));
+        --stats_.staged_now;
       }
       s->version = r.round + 1;
       std::erase_if(s->waiting, [&](const WaitingPull& p) {
@@ -816,6 +825,7 @@ class ServerNode final : public Server, public TransportHandler {
     std::atomic<uint64_t> pulls_answered{0};
     std::atomic<uint64_t> requests_refused{0};
     std::atomic<uint64_t> connections_dropped{0};
+    std::atomic<uint64_t> staged_now{0};
   } stats_;
 };
 
