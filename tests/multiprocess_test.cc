@@ -248,6 +248,9 @@ TEST_F(MultiProcess, WorkerJoinsAndAnotherLeavesWhileTrainingRuns) {
       << "the late worker should join a running job\n" << out;
   EXPECT_GT(std::stoull(m[1]), 0u);
   EXPECT_NE(out.find("left after 6 gradient(s)"), std::string::npos) << out;
+  // The joiner's clocks start where the slowest worker's were: the count is its commits,
+  // not its last clock.
+  EXPECT_NE(out.find("worker 1003 left after 40 gradient(s)"), std::string::npos) << out;
   const uint64_t total = Completed(out);
   EXPECT_EQ(total, 40u + 6u + 40u + 40u);
   ExpectModelCount(total, 2);
@@ -407,6 +410,28 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
     Proc p({DSYNC_BINARY}, {}, dir_ / "d.log");
     EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 2);
     EXPECT_NE(p.Output().find("set DSYNC_ROLE"), std::string::npos) << p.Output();
+  }
+  {
+    // A port that accepts but never answers: the worker gives up after --connect-timeout-ms
+    // of silence, saying what it waited for.
+    const int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    ASSERT_EQ(listen(lfd, 4), 0);
+    ASSERT_EQ(getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    const auto start = std::chrono::steady_clock::now();
+    Proc p({DSYNC_BINARY, "worker", "--scheduler-port", std::to_string(ntohs(addr.sin_port)),
+            "--connect-timeout-ms", "500"},
+           {{"DSYNC_TOKEN", "t"}}, dir_ / "mute.log");
+    EXPECT_EQ(WEXITSTATUS(p.Wait(20s)), 1);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    EXPECT_NE(p.Output().find("accepted the connection but did not answer the hello within 500 ms"),
+              std::string::npos)
+        << p.Output();
+    close(lfd);
   }
   {
     // Role mode without a token: refused, saying what to set; --insecure runs, warning once.

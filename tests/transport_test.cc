@@ -208,6 +208,11 @@ class Recorder : public TransportHandler {
     std::lock_guard lock(mu_);
     return headers_;
   }
+  size_t inbound() {
+    std::lock_guard lock(mu_);
+    return std::count_if(connected_.begin(), connected_.end(),
+                         [](const auto& c) { return c.second; });
+  }
 
   // After this, any callback is a contract violation.
   void Stop() { stopped_.store(true); }
@@ -314,6 +319,8 @@ struct TransportKind {
   // The address to listen on and connect to (RDMA: the IP of the RDMA netdev).
   std::function<std::string(Transport&)> host = [](Transport&) { return "127.0.0.1"; };
   std::function<std::string()> skip = [] { return std::string(); };
+  // The same transport with the given limits on unauthenticated peers.
+  std::function<std::unique_ptr<Transport>(ps::AdmissionLimits)> limited;
 };
 // gtest would otherwise print the struct's bytes, padding included.
 void PrintTo(const TransportKind& kind, std::ostream* os) { *os << kind.name; }
@@ -879,6 +886,118 @@ TEST_P(TransportTest, ConnectToAClosedPortFailsWithinTheTimeout) {
   EXPECT_LT(elapsed, 3s);
 }
 
+// A listener whose handler trusts nobody until told, with small limits on strangers.
+class Strangers {
+ public:
+  Strangers(const TransportKind& kind, const std::string& host, ps::AdmissionLimits limits) {
+    server_ = kind.limited(limits);
+    server_->SetHandler(&h_);
+    auto port = server_->Listen(host, 0);
+    EXPECT_TRUE(port.ok()) << port.status().ToString();
+    port_ = port.ok() ? *port : 0;
+  }
+  ~Strangers() {
+    server_->Shutdown();
+    h_.Stop();
+  }
+  Transport& server() { return *server_; }
+  Recorder& h() { return h_; }
+  uint16_t port() const { return port_; }
+
+ private:
+  Recorder h_;
+  std::unique_ptr<Transport> server_;
+  uint16_t port_ = 0;
+};
+
+TEST_P(TransportTest, AStrangerMaySendOneSmallHelloAndNothingElse) {
+  ps::AdmissionLimits limits;
+  limits.handshake_timeout = 5s;
+  Strangers s(GetParam(), host(), limits);
+  const std::vector<std::byte> payload(100, std::byte{7});
+  const std::string hello(200, 'h');
+  // A push as the first frame: dropped from its header, nothing delivered.
+  auto peer = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  const PeerId first = s.h().WaitInbound();
+  ASSERT_NE(first, kNoPeer);
+  ASSERT_TRUE(client_->Send(*peer, TestHeader(MsgType::kPush, 1), {}, payload.data(),
+                            payload.size())
+                  .ok());
+  EXPECT_TRUE(s.h().WaitDisconnected(first));
+  EXPECT_EQ(s.h().headers(), 0u) << "nothing a stranger sends but a hello reaches the node";
+  EXPECT_NE(s.h().why(first).message().find("the first frame must be a hello"),
+            std::string::npos)
+      << s.h().why(first).ToString();
+  // A hello is delivered; a second frame before the node trusts the peer is not.
+  peer = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(peer.ok());
+  const PeerId second = s.h().WaitInbound();
+  ASSERT_TRUE(client_->Send(*peer, TestHeader(MsgType::kHello, 2), AsBytes(hello), nullptr, 0).ok());
+  ASSERT_TRUE(s.h().WaitFrames(1));
+  ASSERT_TRUE(client_->Send(*peer, TestHeader(MsgType::kPull, 3), {}, nullptr, 0).ok());
+  EXPECT_TRUE(s.h().WaitDisconnected(second));
+  EXPECT_EQ(s.h().TakeFrames().size(), 1u);
+  // Trusted after its hello, a peer sends what it likes.
+  peer = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(peer.ok());
+  const PeerId third = s.h().WaitInbound();
+  ASSERT_TRUE(client_->Send(*peer, TestHeader(MsgType::kHello, 4), AsBytes(hello), nullptr, 0).ok());
+  ASSERT_TRUE(s.h().WaitFrames(1));
+  s.server().Trust(third);
+  ASSERT_TRUE(client_->Send(*peer, TestHeader(MsgType::kPush, 5), {}, payload.data(),
+                            payload.size())
+                  .ok());
+  ASSERT_TRUE(s.h().WaitFrames(2));
+  EXPECT_EQ(s.h().TakeFrames().back().header.round(), 5u);
+  EXPECT_EQ(s.h().why(third).code(), StatusCode::kOk) << "still connected";
+}
+
+TEST_P(TransportTest, SilentStrangersAreDroppedAtTheHandshakeTimeoutTrustedPeersAreNot) {
+  ps::AdmissionLimits limits;
+  limits.handshake_timeout = 300ms;
+  Strangers s(GetParam(), host(), limits);
+  const auto start = Clock::now();
+  auto silent = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(silent.ok()) << silent.status().ToString();
+  const PeerId stranger = s.h().WaitInbound();
+  auto known = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(known.ok());
+  const PeerId trusted = s.h().WaitInbound();
+  s.server().Trust(trusted);
+  EXPECT_TRUE(s.h().WaitDisconnected(stranger));
+  EXPECT_GE(Clock::now() - start, 250ms);
+  EXPECT_LT(Clock::now() - start, 3s);
+  EXPECT_EQ(s.h().why(stranger).code(), StatusCode::kDeadlineExceeded)
+      << s.h().why(stranger).ToString();
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(s.h().why(trusted).code(), StatusCode::kOk) << "a trusted peer may be silent";
+  ASSERT_TRUE(client_->Send(*known, TestHeader(MsgType::kPull, 9), {}, nullptr, 0).ok());
+  EXPECT_TRUE(s.h().WaitFrames(1));
+}
+
+TEST_P(TransportTest, StrangersBeyondThePerSourceCapAreTurnedAwayUntilOneIsTrusted) {
+  ps::AdmissionLimits limits;
+  limits.handshake_timeout = 10s;
+  limits.max_pending_per_source = 2;
+  Strangers s(GetParam(), host(), limits);
+  std::vector<PeerId> inbound;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(client_->Connect(host(), s.port(), 5000).ok());
+    inbound.push_back(s.h().WaitInbound());
+    ASSERT_NE(inbound.back(), kNoPeer);
+  }
+  // The third is refused before the node sets anything up for it.
+  (void)client_->Connect(host(), s.port(), 300);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(s.h().inbound(), 2u) << "only the first two strangers got in";
+  // Once one proves itself, there is room for another stranger.
+  s.server().Trust(inbound[0]);
+  auto fourth = client_->Connect(host(), s.port(), 5000);
+  ASSERT_TRUE(fourth.ok()) << fourth.status().ToString();
+  EXPECT_NE(s.h().WaitInbound(), kNoPeer);
+}
+
 TEST_P(TransportTest, ListenOnABusyPortFails) {
   Recorder h;
   auto other = GetParam().make();
@@ -1031,24 +1150,34 @@ TEST(TcpTransport, EmulatedLinkDelayHoldsEveryFrameAtLeastThatLong) {
 }
 
 std::vector<TransportKind> Kinds() {
-  std::vector<TransportKind> v = {
-      {"tcp", [] { return tcp::MakeTcpTransport(); }, true},
-      // The emulated link latency must not change any behaviour but timing.
-      {"tcp_delayed", [] { return tcp::MakeTcpTransport({2ms, {}}); }, true}};
+  std::vector<TransportKind> v(2);
+  v[0].name = "tcp";
+  v[0].make = [] { return tcp::MakeTcpTransport(); };
+  v[0].limited = [](ps::AdmissionLimits a) { return tcp::MakeTcpTransport({0us, a}); };
+  v[0].raw_tcp = true;
+  // The emulated link latency must not change any behaviour but timing.
+  v[1] = v[0];
+  v[1].name = "tcp_delayed";
+  v[1].make = [] { return tcp::MakeTcpTransport({2ms, {}}); };
+  v[1].limited = [](ps::AdmissionLimits a) { return tcp::MakeTcpTransport({2ms, a}); };
 #if DSYNC_HAVE_RDMA
   // Runs where an RDMA device is usable: in CI, inside the soft-RoCE VM
   // (scripts/test-rdma.sh); elsewhere it skips, saying why.
-  v.push_back({"rdma",
-               []() -> std::unique_ptr<Transport> {
-                 auto made = rdma::MakeRdmaTransport();
-                 if (!made.ok()) return nullptr;
-                 return std::move(*made);
-               },
-               false,
-               [](Transport& made) {
-                 return dynamic_cast<rdma::RdmaTransport&>(made).device().ipv4;
-               },
-               [] { return rdma::MakeRdmaTransport().status().message(); }});
+  TransportKind rdma;
+  rdma.name = "rdma";
+  rdma.limited = [](ps::AdmissionLimits a) -> std::unique_ptr<Transport> {
+    rdma::RdmaOptions o;
+    o.admission = a;
+    auto made = rdma::MakeRdmaTransport(o);
+    if (!made.ok()) return nullptr;
+    return std::move(*made);
+  };
+  rdma.make = [limited = rdma.limited] { return limited({}); };
+  rdma.host = [](Transport& made) {
+    return dynamic_cast<rdma::RdmaTransport&>(made).device().ipv4;
+  };
+  rdma.skip = [] { return rdma::MakeRdmaTransport().status().message(); };
+  v.push_back(std::move(rdma));
 #endif
   return v;
 }

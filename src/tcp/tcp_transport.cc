@@ -166,9 +166,10 @@ bool WaitReadable(int fd, Clock::time_point deadline) {
 
 // Reads exactly n bytes, stopping early when the connection is being closed locally so
 // that a closed peer's large payload is not drained. With a deadline (a peer that has not
-// authenticated), bytes trickling in do not extend it.
+// authenticated), bytes trickling in do not extend it; it lapses once `trusted` is set.
 IoResult RecvAll(int fd, void* buf, size_t n, const std::atomic<bool>& closing,
-                 std::optional<Clock::time_point> deadline = std::nullopt) {
+                 std::optional<Clock::time_point> deadline = std::nullopt,
+                 const std::atomic<bool>* trusted = nullptr) {
   IoResult r;
   auto* p = static_cast<std::byte*>(buf);
   while (r.got < n) {
@@ -176,7 +177,9 @@ IoResult RecvAll(int fd, void* buf, size_t n, const std::atomic<bool>& closing,
       r.io = Io::kClosed;
       return r;
     }
+    if (deadline && trusted && trusted->load()) deadline.reset();
     if (deadline && !WaitReadable(fd, *deadline)) {
+      if (trusted && trusted->load()) continue;  // trusted while it waited
       r.io = Io::kTimeout;
       return r;
     }
@@ -598,23 +601,27 @@ Status TcpTransport::ReadFrames(Conn& c, bool* linger) {
     std::optional<Clock::time_point> deadline;
     if (!c.trusted.load()) deadline = c.accepted_at + options_.admission.handshake_timeout;
     FrameHeader h;
-    IoResult r = RecvAll(c.fd, &h, sizeof(h), c.closing, deadline);
+    IoResult r = RecvAll(c.fd, &h, sizeof(h), c.closing, deadline, &c.trusted);
     if (r.io != Io::kOk) return ended(r, r.got == 0 ? "" : "a frame header");
     c.mid_frame.store(true);
+    // Judged by what the peer is now that its frame is here (the handler may have trusted it
+    // while this thread waited).
+    const bool stranger = !c.trusted.load();
+    if (!stranger) deadline.reset();
 
     if (Status st = ValidateHeader(h); !st.ok()) {
       if (st.code() == StatusCode::kUnimplemented) return refuse(h, st);
       spdlog::warn("tcp: dropping the connection from {}: {}", c.address, st.message());
       return st.WithContext(fmt::format("frame from {}", c.address));
     }
-    if (deadline) {
+    if (stranger) {
       // Nothing beyond a hello's size is read from a peer that has not authenticated.
       if (Status st = ps::CheckUnauthenticatedFrame(h); !st.ok()) return refuse(h, st);
     }
 
     if (c.meta_buf.size() < h.meta_len) c.meta_buf.resize(h.meta_len);
     const std::span<const std::byte> meta(c.meta_buf.data(), h.meta_len);
-    r = RecvAll(c.fd, c.meta_buf.data(), h.meta_len, c.closing, deadline);
+    r = RecvAll(c.fd, c.meta_buf.data(), h.meta_len, c.closing, deadline, &c.trusted);
     if (r.io != Io::kOk) return ended(r, fmt::format("a {} frame", MsgTypeName(h.msg_type())));
 
     void* dst = c.handler->OnHeader(c.id, h, meta);
