@@ -7,6 +7,8 @@ set -u
 bin=$1 repo=$2
 ip=${DSYNC_RXE_IP:?} dev=${DSYNC_RDMA_DEVICE:?} netdev=${DSYNC_RXE_NETDEV:-eth0}
 fail=0
+# Every node needs the job's token (or --insecure); these runs are about RDMA mistakes.
+export DSYNC_TOKEN=diagnostics
 # expect NAME WANT-TEXT CMD...: CMD must fail, printing WANT-TEXT.
 expect() {
   name=$1 want=$2; shift 2
