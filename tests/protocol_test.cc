@@ -167,7 +167,7 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   w.servers[1].proof[3] = 9;
   w.credential[0] = 0x5a;
   w.job_key = JobKey{};
-  w.job_key->at(31) = 7;
+  w.job_key->at(15) = 7;
   w.num_servers = 2;
   w.join_round = 7;
   w.gate = 6;

@@ -6,8 +6,10 @@
 // struct, so its layout is pinned by static_asserts below.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <bit>
+#include <initializer_list>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -192,7 +194,40 @@ struct TensorRange {
   uint32_t count = 0;
   bool operator==(const TensorRange&) const = default;
 };
-using TensorSet = std::vector<TensorRange>;
+// A few runs are kept inline: the usual commit (every tensor, one run) allocates nothing on
+// its way through the worker, the scheduler and the servers.
+class TensorSet {
+ public:
+  static constexpr size_t kInline = 4;
+  TensorSet() = default;
+  TensorSet(std::initializer_list<TensorRange> runs) {
+    for (const TensorRange& r : runs) push_back(r);
+  }
+  void clear() {
+    n_ = 0;
+    heap_.clear();
+  }
+  void push_back(const TensorRange& r) {
+    if (n_ < kInline) {
+      inline_[n_++] = r;
+      return;
+    }
+    if (heap_.empty()) heap_.assign(inline_.begin(), inline_.end());
+    heap_.push_back(r);
+    ++n_;
+  }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  const TensorRange* begin() const { return n_ > kInline ? heap_.data() : inline_.data(); }
+  const TensorRange* end() const { return begin() + n_; }
+  TensorRange& back() { return (n_ > kInline ? heap_.data() : inline_.data())[n_ - 1]; }
+  bool operator==(const TensorSet& o) const { return std::equal(begin(), end(), o.begin(), o.end()); }
+
+ private:
+  std::array<TensorRange, kInline> inline_{};
+  size_t n_ = 0;
+  std::vector<TensorRange> heap_;  // all runs, once there are more than kInline
+};
 bool Contains(const TensorSet& set, TensorId tensor);
 uint64_t TensorCount(const TensorSet& set);
 

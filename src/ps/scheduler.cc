@@ -408,7 +408,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void HandleCommit(PeerId peer, WorkerId id, WorkerEntry& entry, const FrameHeader& h,
                     std::span<const std::byte> meta) {
     const bool empty = (h.flags & kFlagEmpty) != 0;
-    CommitProof proof;
+    CommitProof& proof = commit_scratch_;
     Status proved = DecodeCommit(meta, proof);
     if (proved.ok()) {
       proved = VerifyCommit(job_key_, static_cast<uint32_t>(servers_.size()), id, h.clock(),
@@ -432,7 +432,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     ++entry.committed;
-    tensors_of_[{id, h.clock()}] = TensorsOf(proof);
+    // Commits are placed in clock order and rounds take each worker's oldest: a FIFO per
+    // worker pairs every round member with its tensors.
+    pending_tensors_[id].push_back({h.clock(), TensorsOf(proof)});
     FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
     ack.request = h.request;
     ack.set_round(r->round);
@@ -537,15 +539,28 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     audit_.Policy(rule_.open_round(), d.quorum, d.allowance);
   }
 
+  // The tensors member m's commit covered (recorded at the commit, oldest first).
+  TensorSet TakeTensors(const RoundMember& m) {
+    auto it = pending_tensors_.find(m.worker);
+    if (it == pending_tensors_.end() || it->second.empty() ||
+        it->second.front().first != m.clock) {
+      // The rule places commits in the order they came: this cannot happen. Say it loudly;
+      // the servers then apply nothing of it, and stop the job if they hold it.
+      spdlog::error("scheduler: no record of the tensors of worker {}'s clock {}", m.worker,
+                    m.clock);
+      return {};
+    }
+    TensorSet set = std::move(it->second.front().second);
+    it->second.pop_front();
+    if (it->second.empty() && !rule_.is_live(m.worker)) pending_tensors_.erase(it);
+    return set;
+  }
+
   // Broadcasts every round that may close now and every ssp gate that opened.
   void Progress() {
     for (RoundRecord& rec : rule_.CloseReady()) {
       round_entries_.clear();
-      for (const RoundMember& m : rec.members) {
-        auto t = tensors_of_.find({m.worker, m.clock});
-        round_entries_.push_back({m, t == tensors_of_.end() ? TensorSet{} : std::move(t->second)});
-        if (t != tensors_of_.end()) tensors_of_.erase(t);
-      }
+      for (const RoundMember& m : rec.members) round_entries_.push_back({m, TakeTensors(m)});
       EncodeRound(round_entries_, meta_buf_);
       FrameHeader h = MakeHeader(MsgType::kRound, kSchedulerId);
       h.set_round(rec.round);
@@ -715,9 +730,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::deque<RoundRecord> history_;
   AuditLog audit_;
   std::vector<std::byte> meta_buf_;
-  // The tensors each committed gradient covers, until its round goes out.
-  std::map<std::pair<WorkerId, Clock>, TensorSet> tensors_of_;
+  // The tensors each committed gradient covers, per worker in clock order, until its round
+  // goes out.
+  std::unordered_map<WorkerId, std::deque<std::pair<Clock, TensorSet>>> pending_tensors_;
   std::vector<RoundEntry> round_entries_;
+  CommitProof commit_scratch_;  // reused by every commit
   std::thread monitor_;
 };
 

@@ -615,7 +615,9 @@ class WorkerNode final : public Worker, public TransportHandler {
       ClockState cs;
       cs.clock = clock_;
       cs.base = base_;  // what the gradient was computed on: the pulls done before pushing
-      clocks_.push_back(cs);
+      cs.proof.tensors = std::move(spare_claims_);  // capacity from a committed clock
+      cs.proof.tensors.clear();
+      clocks_.push_back(std::move(cs));
     }
     return clocks_.back();
   }
@@ -690,8 +692,9 @@ class WorkerNode final : public Worker, public TransportHandler {
       spdlog::warn("worker {}: commit acknowledgement without a commit", job_.worker_id);
       return;
     }
-    const ClockState cs = clocks_.front();
+    ClockState cs = std::move(clocks_.front());
     clocks_.erase(clocks_.begin());
+    spare_claims_ = std::move(cs.proof.tensors);
     if (h.flags & kFlagStop) stop_requested_ = true;
     for (uint32_t i = 0; i < ops_.size(); ++i) {
       Op& o = ops_[i];
@@ -828,6 +831,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   std::string pending_why_;                  // what the scheduler said admission waits for
   uint32_t payload_sends_ = 0;               // sends still reading the caller's memory
   std::vector<std::byte> commit_meta_;       // reused for every commit
+  std::vector<CommittedTensor> spare_claims_;  // reused by the next clock
   bool leaving_ = false;
   bool left_ = false;
   bool stop_ = false;
