@@ -1,6 +1,6 @@
 // GPU apply throughput: LaunchApplyRound (the CUDA store's fused update kernel) on slices in
 // device memory, beside a device-to-device cudaMemcpyAsync of the same slices, timed with
-// CUDA events. Issue 4's target: sgd and adam at >= 85 % of the copy's GB/s.
+// CUDA events. The CUDA store's target: sgd and adam at >= 85 % of the copy's GB/s.
 //
 // Bytes moved per element of a round with k gradients, counted exactly: 4k (gradient reads)
 // + 8 (w read + write) + 8 per state array (read + write): sum and sgd 8+4k, momentum 16+4k,

@@ -1,4 +1,4 @@
-// "Nothing on the hot path allocates per message in steady state" (DESIGN.md §4), measured:
+// "Nothing on the hot path allocates per message in steady state" (docs/design.md), measured:
 // this binary counts every heap allocation of the process, and a push+pull iteration over a
 // tensor of 64 slices must allocate no more than one over a tensor of 4 slices. What remains
 // per iteration is control traffic (one commit, one round), independent of the data size.

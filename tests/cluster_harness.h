@@ -78,7 +78,7 @@ inline std::vector<std::unique_ptr<Worker>> StartWorkers(const Config& config, i
   return out;
 }
 
-// Checks DESIGN.md's bound and quorum invariants on the scheduler's decisions.
+// Checks the bound and quorum invariants (docs/contract.md) on the scheduler's decisions.
 inline void ExpectRoundInvariants(const std::vector<RoundRecord>& rounds, const SyncMode& mode) {
   Round expected = 0;
   for (const RoundRecord& r : rounds) {

@@ -1,5 +1,5 @@
 // Whole clusters in one process over real TCP on 127.0.0.1: the synchronization contract
-// of DESIGN.md §2 checked end to end (values, versions, round records), and membership
+// of docs/contract.md checked end to end (values, versions, round records), and membership
 // changes while training runs.
 #include <gtest/gtest.h>
 

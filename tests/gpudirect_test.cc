@@ -1,4 +1,4 @@
-// GPUDirect RDMA routing in the server (issue 5), without a GPU or a NIC: a store whose
+// GPUDirect RDMA routing in the server, without a GPU or a NIC: a store whose
 // "device memory" is tracked host memory, and a TCP transport that claims it can move
 // payloads of at least kDirectMin bytes to and from that memory. The server must put exactly
 // those payloads there (pushes, initial values, pull replies), register every such buffer

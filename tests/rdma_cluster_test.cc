@@ -1,4 +1,4 @@
-// A whole job over RDMA (issue 5): scheduler, two servers and two workers in one process,
+// A whole job over RDMA: scheduler, two servers and two workers in one process,
 // every connection an RC queue pair. The same bsp job over TCP gives the reference: the
 // model must be bit for bit the same, whatever carried the bytes. Runs where an RDMA device
 // is usable (in CI: inside the soft-RoCE VM, scripts/test-rdma.sh); skips elsewhere.

@@ -1,6 +1,6 @@
 // The round-closing rule alone: hand-written scenarios, then property tests that drive it
 // with simulated workers acting in random orders (random per-worker speeds, servers that
-// lag behind the decisions, joins, graceful leaves and failures) and check DESIGN.md's
+// lag behind the decisions, joins, graceful leaves and failures) and check docs/contract.md's
 // invariants on every decision.
 #include "ps/round_rule.h"
 

@@ -1,7 +1,7 @@
 // The ParamStore contract, checked against independent double-precision formulas for every
 // optimizer: random inputs (never zeros), sizes that are not multiples of any block or
 // vector width, results read into poisoned buffers so unwritten elements show. The suite is
-// parameterized over store factories so the CUDA store (issue 4) runs the same checks.
+// parameterized over store factories so the CUDA store runs the same checks.
 #include <gtest/gtest.h>
 
 #include "random_inputs.h"

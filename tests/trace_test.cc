@@ -1,4 +1,4 @@
-// NVTX ranges (issue 4): the PS roles and the store emit named ranges around push, pull,
+// NVTX ranges: the PS roles and the store emit named ranges around push, pull,
 // aggregate, apply and waiting for the bound. Checked through NVTX's own injection interface
 // (tests/nvtx_recorder.cc), i.e. what nsys would receive, on the CPU path.
 #include <gtest/gtest.h>

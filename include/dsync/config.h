@@ -18,7 +18,7 @@ enum class Role { kScheduler, kServer, kWorker };
 std::string_view RoleName(Role role);
 Result<Role> ParseRole(std::string_view text);
 
-// DESIGN.md §2. Round modes (bsp, dsync) close rounds by the delay bound D and quorum Q;
+// docs/contract.md. Round modes (bsp, dsync) close rounds by the delay bound D and quorum Q;
 // ssp and asp apply each gradient on arrival (one gradient per round).
 enum class SyncKind { kRound, kSsp, kAsp };
 
@@ -74,7 +74,7 @@ struct Config {
   std::string scheduler_host = "127.0.0.1";
   uint16_t scheduler_port = 9091;
   // Interface this node's listeners bind to (servers, scheduler). Loopback unless configured:
-  // a parameter server accepts model writes from the network (DESIGN.md §6).
+  // a parameter server accepts model writes from the network (docs/contract.md, "Trust").
   std::string bind_host = "127.0.0.1";
   // Port a server listens on (0: any free port, announced to the scheduler).
   uint16_t port = 0;

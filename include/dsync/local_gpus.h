@@ -16,7 +16,7 @@
 //
 // Determinism: the order in which NCCL adds the GPUs' gradients is NCCL's choice (it depends
 // on the topology and algorithm NCCL picks), so results match a host-side sum within float
-// rounding, not bit for bit (DESIGN.md §2 invariant 4 holds for the servers' sum only).
+// rounding, not bit for bit (invariant 4 of docs/contract.md covers the servers' sum only).
 #pragma once
 
 #include <memory>

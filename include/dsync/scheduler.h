@@ -1,5 +1,5 @@
 // The scheduler: membership (join, leave, heartbeat failure), and the global round
-// decisions of DESIGN.md §2. It sees small control messages only, never payloads.
+// decisions (docs/contract.md). It sees small control messages only, never payloads.
 #pragma once
 
 #include <cstdint>

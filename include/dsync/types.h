@@ -42,7 +42,7 @@ struct RoundMember {
   bool operator==(const RoundMember&) const = default;
 };
 
-// What the scheduler decided for one round (DESIGN.md §2), kept for audits and tests.
+// What the scheduler decided for one round (docs/contract.md), kept for audits and tests.
 struct RoundRecord {
   Round round = 0;
   std::vector<RoundMember> members;  // sorted by worker id: the summation order

@@ -11,7 +11,7 @@ constexpr uint64_t kMaxBlocks = 65535;
 // Grid-stride: one pass over the parameters, each gradient read once; the per-thread work,
 // float4 path included, is ApplyThread (apply_thread.h), which the host tests emulate. Sums
 // run in gradient order, as the CPU store's do; nvcc may contract multiply-adds into FMAs, so
-// results agree with the CPU store to rounding, not bit for bit (DESIGN.md §2, invariant 4).
+// results agree with the CPU store to rounding, not bit for bit (docs/contract.md, invariant 4).
 template <Update U>
 __global__ void __launch_bounds__(kThreads)
     ApplyRoundKernel(float* __restrict__ w, float* __restrict__ s0, float* __restrict__ s1,

@@ -1,4 +1,4 @@
-// Device-memory ParamStore (issue 4): every slice's parameters and optimizer state live in
+// Device-memory ParamStore: every slice's parameters and optimizer state live in
 // GPU memory; gradients arrive in pinned host buffers (AllocateHost) and are copied to the
 // device asynchronously on the calling thread's own stream; a round is applied by one fused
 // kernel (sum in worker-id order + the optimizer math shared with the CPU store, 16-byte

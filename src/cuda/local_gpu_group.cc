@@ -66,7 +66,7 @@ class CurrentDeviceGuard {
   int saved_ = -1;
 };
 
-// "local: reduce" / "local: broadcast" in the project's NVTX domain (DESIGN.md §4).
+// "local: reduce" / "local: broadcast" in the project's NVTX domain (src/ps/trace.h).
 class NvtxRange {
  public:
   explicit NvtxRange([[maybe_unused]] const char* name) {

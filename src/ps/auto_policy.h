@@ -1,4 +1,4 @@
-// The adaptive policy of `dsync:auto` (DESIGN.md §2): from each worker's measured iteration
+// The adaptive policy of `dsync:auto` (docs/contract.md): from each worker's measured iteration
 // time it decides the round quorum and the delay each worker is allowed, within the
 // configured maximum. Pure (no clocks, no I/O): the scheduler feeds it times and membership
 // events, the unit tests feed it synthetic ones.

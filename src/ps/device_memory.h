@@ -1,4 +1,4 @@
-// The GPUDirect RDMA seam (issue 5): what a transport needs to let its NIC read and write a
+// The GPUDirect RDMA seam: what a transport needs to let its NIC read and write a
 // store's GPU memory directly. The CUDA store provides it; src/ps and the transports see
 // only this interface, so neither depends on CUDA.
 //

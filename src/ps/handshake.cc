@@ -78,7 +78,8 @@ Result<Hello> AcceptHello(std::span<const std::byte> meta, const std::string& to
 std::string EncodeWelcome(const Welcome& w) {
   json servers = json::array();
   for (const ServerAddress& s : w.servers) {
-    servers.push_back({{"id", s.id}, {"host", s.host}, {"port", s.port}, {"proof", ToHex(s.proof)}});
+    servers.push_back(
+        {{"id", s.id}, {"host", s.host}, {"port", s.port}, {"proof", ToHex(s.proof)}});
   }
   const OptimizerConfig& o = w.optimizer;
   json j = {{"id", w.id},

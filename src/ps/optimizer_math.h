@@ -1,5 +1,5 @@
 // Per-element optimizer math, written once for both stores: the CPU store calls it in plain
-// loops, the CUDA store (issue 4) from its fused kernels, so the CPU tests pin the arithmetic
+// loops, the CUDA store from its fused kernels, so the CPU tests pin the arithmetic
 // the GPU runs. Keep this header free of anything a device cannot execute (no std::, no
 // exceptions, no host-only calls). tests/optimizer_math_cuda_probe.cu compiles it with nvcc.
 #pragma once

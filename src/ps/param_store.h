@@ -1,5 +1,5 @@
-// The ParamStore seam (DESIGN.md §3): where slices live and how rounds are applied. The CPU
-// store (src/cpu) and the CUDA store (src/cuda, issue 4) implement it; src/ps decides
+// The ParamStore seam: where slices live and how rounds are applied. The CPU
+// store (src/cpu) and the CUDA store (src/cuda) implement it; src/ps decides
 // *what* to apply, the store only *how*.
 //
 // A store is not internally synchronized per slice: the server never applies and reads the

@@ -221,7 +221,9 @@ class TensorSet {
   const TensorRange* begin() const { return n_ > kInline ? heap_.data() : inline_.data(); }
   const TensorRange* end() const { return begin() + n_; }
   TensorRange& back() { return (n_ > kInline ? heap_.data() : inline_.data())[n_ - 1]; }
-  bool operator==(const TensorSet& o) const { return std::equal(begin(), end(), o.begin(), o.end()); }
+  bool operator==(const TensorSet& o) const {
+    return std::equal(begin(), end(), o.begin(), o.end());
+  }
 
  private:
   std::array<TensorRange, kInline> inline_{};

@@ -1,4 +1,4 @@
-// The round-closing rule of DESIGN.md §2, as a pure state machine: no I/O, no clocks, no
+// The round-closing rule of docs/contract.md, as a pure state machine: no I/O, no clocks, no
 // threads. The scheduler feeds it membership and commit events and sends out what it
 // decides; the property tests feed it random event orders and check the invariants.
 //

@@ -1,4 +1,4 @@
-// Cutting tensors into slices and spreading them over the servers (DESIGN.md §1).
+// Cutting tensors into slices and spreading them over the servers (docs/contract.md, "Roles").
 //
 // Slices are placed round-robin over a counter that runs across tensors in registration
 // order, so a few big tensors balance (their slices alternate) and so do many small ones

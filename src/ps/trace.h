@@ -1,4 +1,4 @@
-// NVTX3 ranges for profiling (issue 4): what each role and store is doing, named so that an
+// NVTX3 ranges for profiling: what each role and store is doing, named so that an
 // `nsys profile` timeline reads without a legend (README, "Profiling with nsys"). All ranges
 // live in the NVTX domain "dsyncps", one category per layer (worker, server, store).
 //

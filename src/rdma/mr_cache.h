@@ -1,4 +1,4 @@
-// Memory-registration cache (issue 5): ibv_reg_mr pins pages and costs tens of microseconds
+// Memory-registration cache: ibv_reg_mr pins pages and costs tens of microseconds
 // or more, so registrations are reused. Granularity is the page: a request for [p, p+n)
 // registers the pages it touches, and any later request inside them shares that entry.
 // Entries are reference counted by the operations using them.

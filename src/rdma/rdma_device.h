@@ -1,4 +1,4 @@
-// Choosing the RDMA device, port and GID, and saying clearly why none fits (issue 5): the
+// Choosing the RDMA device, port and GID, and saying clearly why none fits: the
 // failures users of other parameter servers hit most are no device, a port that is down, no
 // usable GID and a memlock limit too low for registrations.
 #pragma once
