@@ -1,6 +1,8 @@
 // Configuration: sync modes, optimizers, sizes, the environment bootstrap and validation.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "dsync/config.h"
 
 namespace dsync {
@@ -116,6 +118,19 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
   EXPECT_NE(opt.status().message().find("sgd, momentum, adam, sum"), std::string::npos);
 }
 
+TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {
+  for (const char* text : {"1e999", "-1e999", "1e-999"}) {
+    auto c = Config::FromEnvironment({{"DSYNC_LR", text}});
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_NE(c.status().message().find("DSYNC_LR"), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("does not fit a 32-bit float"), std::string::npos)
+        << c.status().message();
+  }
+  auto c = Config::FromEnvironment({{"DSYNC_WEIGHT_DECAY", "1e39"}});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("DSYNC_WEIGHT_DECAY"), std::string::npos);
+}
+
 TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
   auto role_of = [](const char* rank_var, const char* rank) {
     auto c = Config::FromEnvironment({{rank_var, rank}, {"SLURM_NTASKS", "7"},
@@ -198,6 +213,49 @@ TEST(ConfigValidate, NoTokenIsRefusedUnlessInsecureIsSaid) {
   EXPECT_EQ(limits->handshake_timeout_ms, 1500u);
   EXPECT_EQ(limits->max_pending_connections, 8u);
   EXPECT_EQ(limits->max_pending_per_source, 2u);
+}
+
+TEST(ConfigValidate, RefusesOptimizerHyperparametersOutOfRange) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    float OptimizerConfig::*field;
+    float value;
+    const char* expect;  // the flag, the variable and the range, all in the message
+  };
+  const Case cases[] = {
+      {&OptimizerConfig::lr, inf, "--lr, DSYNC_LR"},
+      {&OptimizerConfig::lr, nan, "a finite number >= 0"},
+      {&OptimizerConfig::lr, -0.1f, "--lr"},
+      {&OptimizerConfig::momentum, nan, "--momentum, DSYNC_MOMENTUM"},
+      {&OptimizerConfig::momentum, -inf, "a finite number >= 0"},
+      {&OptimizerConfig::beta1, 1.0f, "--beta1, DSYNC_BETA1"},
+      {&OptimizerConfig::beta1, -0.5f, "in [0, 1)"},
+      {&OptimizerConfig::beta2, nan, "--beta2, DSYNC_BETA2"},
+      {&OptimizerConfig::eps, -1.0f, "--eps, DSYNC_EPS"},
+      {&OptimizerConfig::eps, 0.0f, "a finite number > 0"},
+      {&OptimizerConfig::eps, inf, "--eps"},
+      {&OptimizerConfig::weight_decay, nan, "--weight-decay, DSYNC_WEIGHT_DECAY"},
+      {&OptimizerConfig::weight_decay, -1.0f, "a finite number >= 0"},
+  };
+  for (const Case& k : cases) {
+    Config c;
+    c.optimizer.*k.field = k.value;
+    const Status s = c.Validate();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << k.expect << " " << k.value;
+    EXPECT_NE(s.message().find(k.expect), std::string::npos) << s.message();
+  }
+  Config edges;
+  edges.optimizer.lr = 0.0f;
+  edges.optimizer.momentum = 0.0f;
+  edges.optimizer.beta1 = 0.0f;
+  edges.optimizer.beta2 = 0.9999f;
+  edges.optimizer.weight_decay = 0.0f;
+  EXPECT_TRUE(edges.Validate().ok()) << edges.Validate().ToString();
+  // The environment's text reaches the same check.
+  auto from_env = Config::FromEnvironment({{"DSYNC_MOMENTUM", "nan"}});
+  ASSERT_TRUE(from_env.ok());
+  EXPECT_NE(from_env->Validate().message().find("DSYNC_MOMENTUM"), std::string::npos);
 }
 
 }  // namespace

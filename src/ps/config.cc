@@ -1,6 +1,8 @@
 #include "dsync/config.h"
 
+#include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 
 extern char** environ;  // NOLINT: POSIX
@@ -21,9 +23,16 @@ Result<uint64_t> ParseUnsigned(std::string_view what, std::string_view text, uin
 Result<float> ParseFloat(std::string_view what, std::string_view text) {
   std::string s(text);
   char* end = nullptr;
+  errno = 0;
   const float v = std::strtof(s.c_str(), &end);
   if (s.empty() || end != s.c_str() + s.size()) {
     return Error(StatusCode::kInvalidArgument, "{}: '{}' is not a number", what, text);
+  }
+  // strtof saturates to infinity (or flushes towards 0) and says so only in errno.
+  if (errno == ERANGE) {
+    return Error(StatusCode::kInvalidArgument,
+                 "{}: '{}' does not fit a 32-bit float (magnitudes 1.2e-38 .. 3.4e38, or 0)",
+                 what, text);
   }
   return v;
 }
@@ -45,6 +54,35 @@ Result<uint64_t> ParseBytes(std::string_view what, std::string_view text) {
       strip("G", 1ull << 30);
   DSYNC_ASSIGN_OR_RETURN(uint64_t v, ParseUnsigned(what, digits, UINT64_MAX / mult));
   return v * mult;
+}
+
+// Hyperparameters outside these ranges either cannot be sent to the nodes (JSON has no
+// inf or nan) or make every update diverge; refused here, naming the flag and the variable.
+Status CheckHyperparameter(std::string_view name, std::string_view flag, std::string_view var,
+                           float v, bool ok, std::string_view range) {
+  if (ok) return Status::Ok();
+  return Error(StatusCode::kInvalidArgument, "{} {} must be {} ({}, {})", name, v, range, flag,
+               var);
+}
+
+Status ValidateOptimizer(const OptimizerConfig& o) {
+  const auto finite_at_least = [](float v, float lo) { return std::isfinite(v) && v >= lo; };
+  const auto fraction = [](float v) { return v >= 0.0f && v < 1.0f; };  // false for nan
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("learning rate", "--lr", "DSYNC_LR", o.lr,
+                                            finite_at_least(o.lr, 0.0f), "a finite number >= 0"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("momentum", "--momentum", "DSYNC_MOMENTUM",
+                                            o.momentum, finite_at_least(o.momentum, 0.0f),
+                                            "a finite number >= 0"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta1", "--beta1", "DSYNC_BETA1", o.beta1,
+                                            fraction(o.beta1), "in [0, 1)"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta2", "--beta2", "DSYNC_BETA2", o.beta2,
+                                            fraction(o.beta2), "in [0, 1)"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam epsilon", "--eps", "DSYNC_EPS", o.eps,
+                                            std::isfinite(o.eps) && o.eps > 0.0f,
+                                            "a finite number > 0"));
+  return CheckHyperparameter("weight decay", "--weight-decay", "DSYNC_WEIGHT_DECAY",
+                             o.weight_decay, finite_at_least(o.weight_decay, 0.0f),
+                             "a finite number >= 0");
 }
 
 }  // namespace
@@ -310,9 +348,7 @@ Status Config::Validate() const {
     return Error(StatusCode::kInvalidArgument, "gpudirect '{}' is not one of auto, on, off",
                  gpudirect);
   }
-  if (!(optimizer.lr >= 0.0f)) {
-    return Error(StatusCode::kInvalidArgument, "learning rate {} must be >= 0", optimizer.lr);
-  }
+  DSYNC_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
   // Last: a setting that cannot work is the more useful message.
   if (token.empty() && !insecure) {
     return Error(StatusCode::kInvalidArgument,
