@@ -131,6 +131,22 @@ TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {
   EXPECT_NE(c.status().message().find("DSYNC_WEIGHT_DECAY"), std::string::npos);
 }
 
+TEST(ConfigEnvironment, RefusesAnEmptyRole) {
+  for (const char* name : {"DSYNC_ROLE", "DMLC_ROLE"}) {
+    auto c = Config::FromEnvironment({{name, ""}});
+    ASSERT_FALSE(c.ok()) << name;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(std::string(name) + " is set but empty"),
+              std::string::npos)
+        << c.status().message();
+    EXPECT_NE(c.status().message().find("scheduler, server or worker"), std::string::npos);
+  }
+  // One empty name does not matter when the other gives the role.
+  auto c = Config::FromEnvironment({{"DSYNC_ROLE", "server"}, {"DMLC_ROLE", ""}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->role, Role::kServer);
+}
+
 TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
   auto role_of = [](const char* rank_var, const char* rank) {
     auto c = Config::FromEnvironment({{rank_var, rank}, {"SLURM_NTASKS", "7"},

@@ -205,6 +205,16 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
 
   if (const std::string* v = get({"DSYNC_ROLE", "DMLC_ROLE"})) {
     DSYNC_ASSIGN_OR_RETURN(c.role, ParseRole(*v));
+  } else {
+    // Set but empty is a slip in a job script: taken as unset, the process would become a
+    // worker retrying the default scheduler address for the whole connect timeout.
+    for (const char* name : {"DSYNC_ROLE", "DMLC_ROLE"}) {
+      if (env.contains(name)) {
+        return Error(StatusCode::kInvalidArgument,
+                     "{} is set but empty: set it to scheduler, server or worker, or unset it",
+                     name);
+      }
+    }
   }
   if (const std::string* v = get({"DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI"})) {
     c.scheduler_host = *v;
