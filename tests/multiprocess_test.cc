@@ -77,16 +77,21 @@ class Proc {
     done_ = true;
     return -1;
   }
-  void Signal(int sig) const { kill(pid_, sig); }
-  // True once the output holds `text`, waiting up to `timeout`.
-  bool WaitForOutput(const std::string& text, std::chrono::milliseconds timeout) const {
+  // Waits until the output holds `text`; false on timeout or when the process has ended.
+  bool WaitForOutput(const std::string& text, std::chrono::seconds timeout) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < deadline) {
       if (Output().find(text) != std::string::npos) return true;
-      std::this_thread::sleep_for(10ms);
+      siginfo_t info{};  // ended? (WNOWAIT: still there for Wait)
+      if (waitid(P_PID, static_cast<id_t>(pid_), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+          info.si_pid == pid_) {
+        return Output().find(text) != std::string::npos;
+      }
+      std::this_thread::sleep_for(20ms);
     }
     return false;
   }
+  void Signal(int sig) { kill(pid_, sig); }
 
   std::string Output() const {
     std::ifstream in(log_);
@@ -448,6 +453,37 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
     EXPECT_NE(warned, std::string::npos) << out;
     EXPECT_EQ(out.find("running without a cluster token", warned + 1), std::string::npos)
         << "one warning: " << out;
+  }
+}
+
+TEST_F(MultiProcess, SigtermStopsTheSchedulerAndAServerCleanly) {
+  // Several times: the signal used to race the process's exit (and OpenBLAS's threads, which
+  // block nothing, could take it and die of it).
+  auto expect_clean_stop = [](Proc& p) {
+    p.Signal(SIGTERM);
+    const int status = p.Wait(20s);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "status " << status << "\n" << p.Output();
+    EXPECT_NE(p.Output().find("signal 15 received; stopping"), std::string::npos) << p.Output();
+  };
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const std::string n = std::to_string(round);
+    Proc sched({DSYNC_BINARY, "scheduler", "--scheduler-port", "0", "--num-servers", "1"},
+               {{"DSYNC_TOKEN", "t"}}, dir_ / ("scheduler-" + n + ".log"));
+    ASSERT_TRUE(sched.WaitForOutput("scheduler listening on", 20s)) << sched.Output();
+    std::smatch m;
+    const std::string sched_out = sched.Output();
+    ASSERT_TRUE(std::regex_search(sched_out, m, std::regex("listening on 127.0.0.1:(\\d+)")));
+    Proc server({DSYNC_BINARY, "server", "--scheduler-port", m[1].str()},
+                {{"DSYNC_TOKEN", "t"}}, dir_ / ("server-" + n + ".log"));
+    ASSERT_TRUE(server.WaitForOutput("listening on", 20s)) << server.Output();
+    expect_clean_stop(server);
+    sched.Wait(20s);  // it ends the job: its server is gone
+    Proc alone({DSYNC_BINARY, "scheduler", "--scheduler-port", "0"}, {{"DSYNC_TOKEN", "t"}},
+               dir_ / ("alone-" + n + ".log"));
+    ASSERT_TRUE(alone.WaitForOutput("scheduler listening on", 20s)) << alone.Output();
+    expect_clean_stop(alone);
   }
 }
 

@@ -1,26 +1,21 @@
 #include "roles.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <thread>
+#include <cstring>
 
 #include "dsync/scheduler.h"
 #include "dsync/server.h"
 
 namespace dsync::app {
 namespace {
-
-Scheduler* g_scheduler = nullptr;
-Server* g_server = nullptr;
-
-void StopNodes() {
-  if (g_scheduler) g_scheduler->Stop();
-  if (g_server) g_server->Stop();
-}
 
 int Fail(const Status& status) {
   std::fprintf(stderr, "dsyncps: error: %s\n", status.ToString().c_str());
@@ -37,51 +32,119 @@ void AnnounceReady(uint16_t port) {
   close(fd);
 }
 
-}  // namespace
+// The watcher's pipe, for the signal handler (one watcher at a time).
+std::atomic<int> g_signal_fd{-1};
+constexpr char kWakeByte = 0;  // from the destructor; never a signal number
 
-void HandleStopSignals(void (*stop)()) {
+void OnStopSignal(int sig) {
+  const int fd = g_signal_fd.load();
+  const char c = static_cast<char>(sig);
+  if (fd >= 0) (void)!write(fd, &c, 1);
+}
+
+sigset_t StopSignals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);  // inherited by every thread started later
-  std::thread([set, stop] {
-    int sig = 0;
-    if (sigwait(&set, &sig) == 0) {
-      spdlog::warn("signal {} received; stopping", sig);
-      stop();
+  return set;
+}
+
+}  // namespace
+
+// A handler rather than sigwait alone: OpenBLAS starts threads before main with nothing
+// blocked, so the kernel may hand the signal to one of them. The handler only writes to a
+// pipe; whichever thread runs it, the watcher's thread does the rest.
+StopSignalWatcher::StopSignalWatcher() {
+  const sigset_t set = StopSignals();
+  pthread_sigmask(SIG_BLOCK, &set, &old_mask_);
+  if (pipe2(pipe_, O_CLOEXEC) != 0) {
+    spdlog::warn("cannot watch for SIGINT/SIGTERM ({}); they will end the process at once",
+                 std::strerror(errno));
+    pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+    return;
+  }
+  g_signal_fd = pipe_[1];
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, &old_int_);
+  sigaction(SIGTERM, &sa, &old_term_);
+  thread_ = std::thread([this] { Loop(); });
+}
+
+StopSignalWatcher::~StopSignalWatcher() {
+  if (!thread_.joinable()) return;
+  (void)!write(pipe_[1], &kWakeByte, 1);
+  thread_.join();
+  sigaction(SIGINT, &old_int_, nullptr);
+  sigaction(SIGTERM, &old_term_, nullptr);
+  g_signal_fd = -1;
+  close(pipe_[0]);
+  close(pipe_[1]);
+  pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+}
+
+void StopSignalWatcher::Arm(std::function<void()> stop) {
+  std::unique_lock lock(mu_);
+  stop_ = std::move(stop);
+  if (signal_ != 0 && stop_) {
+    lock.unlock();
+    stop_();
+  }
+}
+
+void StopSignalWatcher::Loop() {
+  const sigset_t set = StopSignals();
+  pthread_sigmask(SIG_UNBLOCK, &set, nullptr);  // this thread takes them
+  for (;;) {
+    char c = kWakeByte;
+    const ssize_t n = read(pipe_[0], &c, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0 || c == kWakeByte) break;
+    std::function<void()> stop;
+    {
+      std::lock_guard lock(mu_);
+      if (signal_ != 0) continue;  // already stopping
+      signal_ = c;
+      stop = stop_;
     }
-  }).detach();
+    spdlog::warn("signal {} received; stopping", static_cast<int>(c));
+    if (stop) stop();
+  }
 }
 
 int RunScheduler(const Config& config) {
-  HandleStopSignals(StopNodes);
-  auto scheduler = Scheduler::Start(config);
-  if (!scheduler.ok()) return Fail(scheduler.status());
-  g_scheduler = scheduler->get();
-  AnnounceReady((*scheduler)->port());
-  Status st = (*scheduler)->Run();
-  const SchedulerStats s = (*scheduler)->stats();
+  std::unique_ptr<Scheduler> scheduler;  // outlives the watcher, which may call Stop
+  StopSignalWatcher signals;             // before Start: the scheduler's threads inherit its mask
+  auto started = Scheduler::Start(config);
+  if (!started.ok()) return Fail(started.status());
+  scheduler = std::move(*started);
+  signals.Arm([&scheduler] { scheduler->Stop(); });
+  AnnounceReady(scheduler->port());
+  Status st = scheduler->Run();
+  const SchedulerStats s = scheduler->stats();
   spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, failed {}, "
                "max staleness {}",
                s.rounds_closed, s.gradients_committed, s.workers_joined, s.workers_left,
                s.workers_failed, s.max_staleness);
-  g_scheduler = nullptr;
   return st.ok() ? 0 : Fail(st);
 }
 
 int RunServer(const Config& config) {
-  HandleStopSignals(StopNodes);
-  auto server = Server::Start(config);
-  if (!server.ok()) return Fail(server.status());
-  g_server = server->get();
-  Status st = (*server)->Run();
-  const ServerStats s = (*server)->stats();
+  std::unique_ptr<Server> server;  // outlives the watcher, which may call Stop
+  StopSignalWatcher signals;       // before Start: the server's threads inherit its mask
+  auto started = Server::Start(config);
+  if (!started.ok()) return Fail(started.status());
+  server = std::move(*started);
+  signals.Arm([&server] { server->Stop(); });
+  Status st = server->Run();
+  const ServerStats s = server->stats();
   spdlog::info("server {}: {} round(s), {} gradient(s), {} push(es), {} pull(s), {} refused, "
                "{} staging buffer(s)",
-               (*server)->id(), s.rounds_applied, s.gradients_applied, s.pushes_received,
+               server->id(), s.rounds_applied, s.gradients_applied, s.pushes_received,
                s.pulls_answered, s.requests_refused, s.staging_buffers);
-  g_server = nullptr;
   return st.ok() ? 0 : Fail(st);
 }
 

@@ -1,18 +1,48 @@
 // Entry points of the dsyncps program's subcommands.
 #pragma once
 
+#include <signal.h>
+
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dsync/config.h"
 
 namespace dsync::app {
 
-// Blocks SIGINT/SIGTERM and turns them into a call of `stop` from a helper thread, so
-// a node shuts down cleanly (and a launcher can stop its children) instead of dying mid-frame.
-void HandleStopSignals(void (*stop)());
+// Turns SIGINT/SIGTERM into a call of a stop function on a thread of its own, so a node shuts
+// down cleanly (and a launcher can stop its children) instead of dying mid-frame. The thread
+// is joined when the watcher is destroyed: nothing it does (logging included) can overlap the
+// process's exit. One watcher at a time, created and destroyed on the same thread.
+class StopSignalWatcher {
+ public:
+  // Blocks the signals in the calling thread, so threads it starts later (a node's transport)
+  // never see them, and catches them for the watcher's thread.
+  StopSignalWatcher();
+  ~StopSignalWatcher();
+  StopSignalWatcher(const StopSignalWatcher&) = delete;
+  StopSignalWatcher& operator=(const StopSignalWatcher&) = delete;
+
+  // From now on a signal calls `stop` (once); a signal that came before calls it now. `stop`
+  // must stay callable until the watcher is destroyed.
+  void Arm(std::function<void()> stop);
+
+ private:
+  void Loop();
+
+  int pipe_[2] = {-1, -1};
+  sigset_t old_mask_;
+  struct sigaction old_int_, old_term_;
+  std::mutex mu_;
+  std::function<void()> stop_;
+  int signal_ = 0;  // the first signal received, 0 if none
+  std::thread thread_;
+};
 
 int RunScheduler(const Config& config);
 int RunServer(const Config& config);
