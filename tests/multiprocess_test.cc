@@ -456,6 +456,16 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   }
 }
 
+TEST_F(MultiProcess, ASchedulerThatCannotStartIsReportedWithItsExitCode) {
+  const std::string out = RunDsyncps(
+      {"local", "--timeout", "60", "--audit-log", (dir_ / "missing" / "audit.jsonl").string()},
+      /*expect_exit=*/1);
+  EXPECT_NE(out.find("cannot write the audit log"), std::string::npos) << out;
+  EXPECT_NE(out.find("the scheduler did not start (exit code 1;"), std::string::npos) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex("scheduler +exit code 1"))) << out;
+  EXPECT_EQ(out.find("exit code 0"), std::string::npos) << out;
+}
+
 TEST_F(MultiProcess, SigtermStopsTheSchedulerAndAServerCleanly) {
   // Several times: the signal used to race the process's exit (and OpenBLAS's threads, which
   // block nothing, could take it and die of it).

@@ -26,6 +26,7 @@ namespace dsync::app {
 namespace {
 
 using SteadyClock = std::chrono::steady_clock;
+constexpr int kSchedulerStartMs = 15000;  // a scheduler not listening by then never will
 
 struct Child {
   std::string name;
@@ -260,12 +261,22 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     children.push_back(std::move(c));
   }
   close(ready[1]);
-  const int port = children[0].started ? ReadPort(ready[0], 15000) : -1;
+  const int port = children[0].started ? ReadPort(ready[0], kSchedulerStartMs) : -1;
   close(ready[0]);
   if (port <= 0) {
-    Relay(children[0], true, hooks);
-    std::fprintf(stderr, "dsyncps: error: the scheduler did not start (see its output above)\n");
-    kill_all(SIGKILL);
+    // Its real exit status for the summary: it has usually exited by itself (refused its
+    // configuration); if it hangs, it is killed. Reaped before its output is read to the end.
+    Child& sched = children[0];
+    if (sched.started) {
+      if (waitpid(sched.pid, &sched.status, WNOHANG) != sched.pid) {
+        kill(sched.pid, SIGKILL);
+        waitpid(sched.pid, &sched.status, 0);
+      }
+      sched.exited = true;
+      Relay(sched, true, hooks);
+    }
+    std::fprintf(stderr, "dsyncps: error: the scheduler did not start (%s; see its output above)\n",
+                 sched.started ? Describe(sched.status).c_str() : "could not run it");
     return finish();
   }
   env["DSYNC_SCHEDULER_PORT"] = std::to_string(port);
