@@ -456,6 +456,50 @@ TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   }
 }
 
+TEST_F(MultiProcess, OptionsThatCannotRunAreRefusedBeforeAnyProcessStarts) {
+  struct Case {
+    std::vector<std::string> args;
+    std::map<std::string, std::string> env;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"local", "--iters", "0"}, {}, "--iters must be at least 1"},
+      {{"local", "--model", "mlp", "--iters", "0"}, {}, "this job has none"},
+      {{"local", "--batch", "0"}, {}, "--batch must be at least 1"},
+      {{"local", "--compute-ms", "nan"}, {}, "--compute-ms nan is not a compute time"},
+      {{"local", "--compute-ms", "-5"}, {}, "from 0 to 60000"},
+      {{"local", "--slow", "-1"}, {}, "--slow -1 is not a factor on the compute time in (0, "},
+      {{"local", "--port", "7000"}, {}, "dsyncps local does not take --port: every process"},
+      {{"local", "--scheduler-port", "7000"}, {}, "does not take --scheduler-port"},
+      {{"local", "--scheduler-uri", "10.0.0.1"}, {}, "does not take --scheduler-uri"},
+      {{"local", "--num-workers", "3"}, {}, "--workers says how many"},
+      {{"local", "--model", "bogus"}, {}, "model 'bogus' is not one of mlp, linreg, count"},
+      {{"local", "--transport", "carrier-pigeon"}, {}, "not one of tcp, rdma, auto"},
+      {{"local", "--lr", "inf"}, {}, "learning rate inf must be a finite number >= 0 (--lr"},
+      {{"local", "--momentum", "nan"}, {}, "(--momentum, DSYNC_MOMENTUM)"},
+      {{"local", "--weight-decay", "nan"}, {}, "(--weight-decay, DSYNC_WEIGHT_DECAY)"},
+      {{"local", "--eps", "-1"}, {}, "adam epsilon -1 must be a finite number > 0"},
+      {{"local"}, {{"DSYNC_LR", "1e999"}}, "DSYNC_LR: '1e999' does not fit a 32-bit float"},
+      {{"train", "--lr", "inf"}, {}, "(--lr, DSYNC_LR)"},
+      {{"train", "--compute-ms", "-5"}, {}, "--compute-ms -5 is not a compute time"},
+      {{"worker", "--iters", "0"}, {}, "--iters must be at least 1"},
+      {{"worker", "--slow", "nan"}, {}, "--slow nan is not a factor"},
+      {{"scheduler", "--beta1", "1"}, {}, "adam beta1 1 must be in [0, 1) (--beta1, DSYNC_BETA1)"},
+      {{}, {{"DSYNC_ROLE", ""}}, "DSYNC_ROLE is set but empty"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& k = cases[i];
+    std::vector<std::string> argv = {DSYNC_BINARY};
+    argv.insert(argv.end(), k.args.begin(), k.args.end());
+    Proc p(argv, k.env, dir_ / ("refused-" + std::to_string(i) + ".log"));
+    const int status = p.Wait(20s);
+    const std::string out = p.Output();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << k.expect << "\n" << out;
+    EXPECT_NE(out.find(k.expect), std::string::npos) << out;
+    EXPECT_EQ(out.find("[scheduler]"), std::string::npos) << out;
+  }
+}
+
 TEST_F(MultiProcess, ASchedulerThatCannotStartIsReportedWithItsExitCode) {
   const std::string out = RunDsyncps(
       {"local", "--timeout", "60", "--audit-log", (dir_ / "missing" / "audit.jsonl").string()},

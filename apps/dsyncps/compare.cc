@@ -1,11 +1,13 @@
 // `dsyncps train` and `dsyncps compare`: the command-line ends of the main job.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
 #include "mlp_math.h"
+#include "roles.h"
 #include "train_job.h"
 
 namespace dsync::app {
@@ -15,8 +17,15 @@ Status CheckSpec(const TrainSpec& s) {
   if (s.workers == 0 || s.servers == 0) {
     return Error(StatusCode::kInvalidArgument, "--workers and --servers must be at least 1");
   }
-  if (s.batch == 0 || !(s.epochs > 0)) {
+  if (s.batch == 0 || !(s.epochs > 0) || !std::isfinite(s.epochs)) {
     return Error(StatusCode::kInvalidArgument, "--batch and --epochs must be positive");
+  }
+  DSYNC_RETURN_IF_ERROR(CheckComputeMs("--compute-ms", s.compute_ms));
+  for (const auto& [worker, factor] : s.scenario.slow) {
+    if (factor > kMaxSlowdown) {
+      return Error(StatusCode::kInvalidArgument, "--straggler {}={}: the factor is at most {}",
+                   worker, factor, kMaxSlowdown);
+    }
   }
   if (!(s.eval_interval_s >= 0.05)) {
     return Error(StatusCode::kInvalidArgument, "--eval-interval must be at least 0.05 s");
@@ -24,6 +33,12 @@ Status CheckSpec(const TrainSpec& s) {
   if (!(s.target > 0 && s.target <= 1)) {
     return Error(StatusCode::kInvalidArgument, "--target is a fraction in (0, 1], e.g. 0.85");
   }
+  // The nodes would refuse it one by one; say it once, before any process starts.
+  Config job = s.job;
+  job.role = Role::kScheduler;
+  job.num_servers = s.servers;
+  job.num_workers = s.workers;
+  DSYNC_RETURN_IF_ERROR(job.Validate());
   // Every worker runs on this machine: a GPU missing here fails now, before any process starts.
   DSYNC_ASSIGN_OR_RETURN(const train::MlpMathKind math, train::ParseMlpMath(s.worker_math));
   DSYNC_RETURN_IF_ERROR(train::ResolveMlpMath(math).status());

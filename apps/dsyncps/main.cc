@@ -100,6 +100,55 @@ void AddMainJobFlags(CLI::App& app, MainJobCli& c) {
   app.add_option("--latency", c.latency, "I=MS: MS milliseconds of added latency on worker I's link");
 }
 
+// Prints why the command cannot run; exit code 2 for a mistake in the command line, else 1.
+int Refuse(const dsync::Status& s) {
+  std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
+  return s.code() == dsync::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+// Node flags that `local` decides for itself: refused, not silently ignored.
+dsync::Status CheckLocalFlags(const CLI::App& loc) {
+  struct Unused {
+    const char* flag;
+    const char* instead;
+  };
+  static constexpr Unused kUnused[] = {
+      {"--port", "every process of a local cluster listens on a free port of its own"},
+      {"--scheduler-port", "it starts its own scheduler on a free port, printed at start"},
+      {"--scheduler-uri", "it starts its own scheduler on the --bind address"},
+      {"--num-servers", "--servers says how many servers it starts"},
+      {"--num-workers", "--workers says how many workers it starts"},
+  };
+  for (const Unused& u : kUnused) {
+    if (loc.get_option(u.flag)->count() > 0) {
+      return dsync::Error(dsync::StatusCode::kInvalidArgument,
+                          "dsyncps local does not take {}: {}", u.flag, u.instead);
+    }
+  }
+  return dsync::Status::Ok();
+}
+
+// What `local` checks before it starts a process: its own flags, the training options
+// every worker gets, and the job configuration every node gets.
+dsync::Status CheckLocal(const CLI::App& loc, const LocalOptions& local, Config job,
+                         const TrainOptions& train) {
+  DSYNC_RETURN_IF_ERROR(CheckLocalFlags(loc));
+  if (local.servers == 0 || local.workers == 0) {
+    return dsync::Error(dsync::StatusCode::kInvalidArgument,
+                        "--servers and --workers must be at least 1");
+  }
+  DSYNC_RETURN_IF_ERROR(dsync::app::CheckTrainOptions(train));
+  if (train.iters == 0 && job.max_gradients == 0) {
+    return dsync::Error(dsync::StatusCode::kInvalidArgument,
+                        "--iters 0 trains until the job's gradient budget is spent, and this "
+                        "job has none: give --iters N, or set DSYNC_MAX_GRADIENTS");
+  }
+  job.role = dsync::Role::kScheduler;
+  job.num_servers = local.servers;
+  job.num_workers = local.workers;
+  return job.Validate();
+}
+
 std::string SelfPath(const char* argv0) {
   char buf[PATH_MAX];
   const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
@@ -210,14 +259,7 @@ int main(int argc, char** argv) {
   if (server->parsed()) role = dsync::Role::kServer;
   if (worker->parsed()) role = dsync::Role::kWorker;
   if (loc->parsed()) {
-    if (local.servers == 0 || local.workers == 0) {
-      std::fprintf(stderr, "dsyncps: error: --servers and --workers must be at least 1\n");
-      return 2;
-    }
-    if (dsync::Status s = dsync::app::CheckWorkerMath(train); !s.ok()) {
-      std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
-      return s.code() == dsync::StatusCode::kInvalidArgument ? 2 : 1;
-    }
+    if (dsync::Status s = CheckLocal(*loc, local, config, train); !s.ok()) return Refuse(s);
     return dsync::app::RunLocal(SelfPath(argv[0]), local, config, train);
   }
   bool role_from_env = false;
@@ -239,6 +281,10 @@ int main(int argc, char** argv) {
     spdlog::warn("{}: running without a cluster token (--insecure): anyone who can reach the "
                  "job's ports may join it",
                  dsync::RoleName(role));
+  }
+  // Before joining: a worker that cannot compute must not take a place in the job.
+  if (role == dsync::Role::kWorker) {
+    if (dsync::Status s = dsync::app::CheckTrainOptions(train); !s.ok()) return Refuse(s);
   }
   switch (role) {
     case dsync::Role::kScheduler: return dsync::app::RunScheduler(config);

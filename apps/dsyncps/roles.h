@@ -76,6 +76,15 @@ struct TrainOptions {
   uint32_t report_every = 0;
   std::string worker_math = "cpu";  // mlp: gradients on cpu | cuda | auto (cuda given a GPU)
 };
+// Simulated compute per iteration (--compute-ms) is at most this: beyond, a typo, not a model.
+inline constexpr double kMaxComputeMs = 60000;
+// --slow (and train's --straggler factor) is at most this.
+inline constexpr double kMaxSlowdown = 1000;
+// `flag`'s value is a simulated compute time in [0, kMaxComputeMs] milliseconds.
+Status CheckComputeMs(const char* flag, double ms);
+// Training options a worker cannot run with (an unknown model, no iterations, an empty
+// minibatch, a compute time that is not a number ...), refused before anything starts.
+Status CheckTrainOptions(const TrainOptions& train);
 int RunWorker(const Config& config, const TrainOptions& train);
 // mlp: whether --worker-math names a math this process can run (no GPU for cuda, a build
 // without CUDA: an error saying so), checked before a job is joined or launched.

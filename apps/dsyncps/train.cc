@@ -274,6 +274,49 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
 
 }  // namespace
 
+Status CheckComputeMs(const char* flag, double ms) {
+  if (std::isfinite(ms) && ms >= 0 && ms <= kMaxComputeMs) return Status::Ok();
+  return Error(StatusCode::kInvalidArgument,
+               "{} {} is not a compute time in milliseconds from 0 to {}", flag, ms,
+               kMaxComputeMs);
+}
+
+namespace {
+
+Status AtLeastOne(const char* flag, uint32_t v, std::string_view why) {
+  if (v >= 1) return Status::Ok();
+  return Error(StatusCode::kInvalidArgument, "{} must be at least 1{}", flag, why);
+}
+
+}  // namespace
+
+Status CheckTrainOptions(const TrainOptions& t) {
+  if (t.model != "linreg" && t.model != "count" && t.model != "mlp") {
+    return Error(StatusCode::kInvalidArgument, "model '{}' is not one of mlp, linreg, count",
+                 t.model);
+  }
+  if (t.model != "mlp") {
+    DSYNC_RETURN_IF_ERROR(AtLeastOne(
+        "--iters", t.iters, " (only --model mlp takes 0: train until the job's gradient budget)"));
+  }
+  DSYNC_RETURN_IF_ERROR(AtLeastOne("--batch", t.batch, " (samples per minibatch)"));
+  DSYNC_RETURN_IF_ERROR(AtLeastOne("--dim", t.dim, " (linreg features)"));
+  DSYNC_RETURN_IF_ERROR(AtLeastOne("--samples", t.samples, " (linreg data set size)"));
+  DSYNC_RETURN_IF_ERROR(AtLeastOne("--tensor-elems", t.tensor_elems, " (count model)"));
+  DSYNC_RETURN_IF_ERROR(CheckComputeMs("--compute-ms", t.compute_ms));
+  if (!(std::isfinite(t.slow) && t.slow > 0 && t.slow <= kMaxSlowdown)) {
+    return Error(StatusCode::kInvalidArgument,
+                 "--slow {} is not a factor on the compute time in (0, {}] (3: three times "
+                 "slower)",
+                 t.slow, kMaxSlowdown);
+  }
+  if (t.kill_point != "after-push" && t.kill_point != "mid-push") {
+    return Error(StatusCode::kInvalidArgument, "--kill-point '{}' is not after-push or mid-push",
+                 t.kill_point);
+  }
+  return CheckWorkerMath(t);
+}
+
 Status CheckWorkerMath(const TrainOptions& t) {
   DSYNC_ASSIGN_OR_RETURN(const train::MlpMathKind math, train::ParseMlpMath(t.worker_math));
   if (t.model == "mlp") DSYNC_RETURN_IF_ERROR(train::ResolveMlpMath(math).status());
@@ -281,12 +324,6 @@ Status CheckWorkerMath(const TrainOptions& t) {
 }
 
 int RunWorker(const Config& config, const TrainOptions& t) {
-  if (t.model != "linreg" && t.model != "count" && t.model != "mlp") {
-    return Fail(Error(StatusCode::kInvalidArgument,
-                      "model '{}' is not one of mlp, linreg, count", t.model));
-  }
-  // Before joining: a worker that cannot compute must not take a place in the job.
-  if (Status s = CheckWorkerMath(t); !s.ok()) return Fail(s);
   // Several workers share this machine's cores: one BLAS thread each.
   openblas_set_num_threads(1);
   auto worker = Worker::Start(config);
