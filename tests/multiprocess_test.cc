@@ -505,9 +505,52 @@ TEST_F(MultiProcess, ASchedulerThatCannotStartIsReportedWithItsExitCode) {
       {"local", "--timeout", "60", "--audit-log", (dir_ / "missing" / "audit.jsonl").string()},
       /*expect_exit=*/1);
   EXPECT_NE(out.find("cannot write the audit log"), std::string::npos) << out;
-  EXPECT_NE(out.find("the scheduler did not start (exit code 1;"), std::string::npos) << out;
+  EXPECT_NE(out.find("the scheduler did not start (exit code 1)"), std::string::npos) << out;
   EXPECT_TRUE(std::regex_search(out, std::regex("scheduler +exit code 1"))) << out;
   EXPECT_EQ(out.find("exit code 0"), std::string::npos) << out;
+}
+
+TEST_F(MultiProcess, AWorkerThatFailsBeforeJoiningStopsTheJobWithItsReason) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"--worker-flags", "1=--nonsense"},
+       "worker 1 failed before joining the job (exit code 2: The following argument was not "
+       "expected: --nonsense); stopping the job"},
+      // A joiner too: the job is running when it fails.
+      {{"--join", "2=300", "--worker-flags", "2=--model bogus", "--compute-ms", "5"},
+       "worker 2 failed before joining the job (exit code 2: invalid argument: model 'bogus' is "
+       "not one of mlp, linreg, count); stopping the job"},
+  };
+  for (const Case& k : cases) {
+    std::vector<std::string> args = {"--workers", "3", "--iters", "400"};
+    args.insert(args.end(), k.args.begin(), k.args.end());
+    const auto start = std::chrono::steady_clock::now();
+    const std::string out = RunLocal(args, /*expect_exit=*/1);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << "not left to the timeout\n" << out;
+    EXPECT_NE(out.find(k.expect), std::string::npos) << out;
+    EXPECT_NE(out.find("job FAILED: worker"), std::string::npos) << out;
+  }
+}
+
+TEST_F(MultiProcess, TrainStopsWhenItsWorkersCannotJoin) {
+  // The test set is there (the launcher checks it), the training set is not: every worker
+  // fails before it joins.
+  const fs::path data = dir_ / "t10k-only";
+  fs::create_directories(data);
+  for (const char* f : {"t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"}) {
+    fs::copy_file(fs::path("/usr/share/datasets/fashion-mnist") / f, data / f);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string out = RunDsyncps(
+      {"train", "--workers", "2", "--servers", "1", "--data-dir", data.string()},
+      /*expect_exit=*/1);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << out;
+  EXPECT_TRUE(std::regex_search(
+      out, std::regex("worker \\d failed before joining the job \\(exit code 1: .*train-images")))
+      << out;
 }
 
 TEST_F(MultiProcess, SigtermStopsTheSchedulerAndAServerCleanly) {

@@ -43,6 +43,9 @@ struct Child {
   SteadyClock::time_point start_at;  // joiners start late
   bool started = false;
   std::string result;  // a worker's "final loss ..." / "completed ..." line
+  std::string error;   // the reason in its last error line
+  int ready = -1;      // workers: the pipe on which they say they have joined
+  bool joined = false;
 };
 
 int g_signal_pipe[2] = {-1, -1};
@@ -115,6 +118,26 @@ void Emit(const Child& c, std::string_view line, const LaunchHooks& hooks) {
   }
 }
 
+// The reason in a child's error line: after dsyncps's "error: " or the log's "[error] ".
+std::string_view ErrorText(std::string_view line) {
+  for (std::string_view tag : {"error: ", "[error] "}) {
+    if (auto at = line.find(tag); at != std::string_view::npos) {
+      return line.substr(at + tag.size());
+    }
+  }
+  return {};
+}
+
+// Keeps what the summary and a failure report need from a line, then relays it.
+void Take(Child& c, std::string_view line, const LaunchHooks& hooks) {
+  if (c.is_worker && (line.find("final ") != std::string_view::npos ||
+                      line.find("completed") != std::string_view::npos)) {
+    c.result = std::string(line);
+  }
+  if (std::string_view why = ErrorText(line); !why.empty()) c.error = std::string(why);
+  Emit(c, line, hooks);
+}
+
 void Relay(Child& c, bool flush, const LaunchHooks& hooks) {
   char buf[4096];
   for (;;) {
@@ -132,16 +155,11 @@ void Relay(Child& c, bool flush, const LaunchHooks& hooks) {
   }
   size_t start = 0;
   for (size_t nl; (nl = c.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-    const std::string_view line(c.partial.data() + start, nl - start);
-    if (c.is_worker && (line.find("final ") != std::string_view::npos ||
-                        line.find("completed") != std::string_view::npos)) {
-      c.result = std::string(line);
-    }
-    Emit(c, line, hooks);
+    Take(c, std::string_view(c.partial.data() + start, nl - start), hooks);
   }
   c.partial.erase(0, start);
   if (flush && !c.partial.empty()) {
-    Emit(c, c.partial, hooks);
+    Take(c, c.partial, hooks);
     c.partial.clear();
   }
   std::fflush(stdout);
@@ -151,6 +169,42 @@ std::string Describe(int status) {
   if (WIFEXITED(status)) return fmt::format("exit code {}", WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return fmt::format("killed by signal {}", WTERMSIG(status));
   return "unknown status";
+}
+
+// Starts a worker with a ready pipe as fd 3 (DSYNC_READY_FD): it writes a line there once it
+// has joined the job, which tells a worker that failed before joining from one that died in it.
+void SpawnWorker(const std::string& self, Child& c) {
+  int ready[2];
+  if (pipe2(ready, O_CLOEXEC) != 0) {
+    c.pid = -1;
+    return;
+  }
+  auto env = c.env;
+  env["DSYNC_READY_FD"] = "3";
+  c.pid = Spawn(self, c.argv, env, ready[1], &c.out);
+  close(ready[1]);
+  c.ready = ready[0];
+}
+
+// Whether a worker that has ended said it had joined; closes its ready pipe. Its write end is
+// gone with it, so the read returns at once.
+bool JoinedBeforeExit(Child& c) {
+  if (c.ready < 0) return c.joined;
+  char buf[64];
+  for (ssize_t n; (n = read(c.ready, buf, sizeof(buf))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    c.joined = c.joined || std::memchr(buf, '\n', static_cast<size_t>(n)) != nullptr;
+  }
+  close(c.ready);
+  c.ready = -1;
+  return c.joined;
+}
+
+// "worker 1 failed before joining the job (exit code 2: model 'x' is not ...)"
+std::string FailedBeforeJoining(const Child& c) {
+  return fmt::format("{} failed before joining the job ({}{}{})", c.name, Describe(c.status),
+                     c.error.empty() ? "" : ": ", c.error);
 }
 
 }  // namespace
@@ -239,7 +293,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     close(g_signal_pipe[1]);
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
-    for (const Child& c : children) {
+    for (Child& c : children) {
+      if (c.ready >= 0) close(c.ready);
       outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result});
     }
     return outcome;
@@ -275,8 +330,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
       sched.exited = true;
       Relay(sched, true, hooks);
     }
-    std::fprintf(stderr, "dsyncps: error: the scheduler did not start (%s; see its output above)\n",
-                 sched.started ? Describe(sched.status).c_str() : "could not run it");
+    outcome.failure = fmt::format("the scheduler did not start ({})",
+                                  sched.started ? Describe(sched.status) : "could not run it");
+    std::fprintf(stderr, "dsyncps: error: %s; see its output above\n", outcome.failure.c_str());
     return finish();
   }
   env["DSYNC_SCHEDULER_PORT"] = std::to_string(port);
@@ -309,17 +365,30 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
 
   const auto deadline = t0 + std::chrono::seconds(plan.timeout_s);
   std::optional<SteadyClock::time_point> scheduler_gone;
-  bool server_failed = false;
+  // Stops the job at once for `why`, unless it is already ending.
+  auto stop_job = [&](const std::string& why) {
+    if (!outcome.failure.empty() || outcome.interrupted || outcome.timed_out || scheduler_gone) {
+      return;
+    }
+    outcome.failure = why;
+    std::fprintf(stderr, "dsyncps: %s; stopping the job\n", why.c_str());
+    kill_all(SIGTERM);
+  };
   for (;;) {
     const auto now = SteadyClock::now();
     for (Child& c : children) {
       if (c.started || c.exited || now < c.start_at || scheduler_gone) continue;
       if (c.on_demand && !(hooks.start_worker && hooks.start_worker(c.index))) continue;
-      c.pid = Spawn(self, c.argv, c.env, -1, &c.out);
+      if (c.is_worker) {
+        SpawnWorker(self, c);
+      } else {
+        c.pid = Spawn(self, c.argv, c.env, -1, &c.out);
+      }
       c.started = true;
       if (c.pid < 0) {
         c.exited = true;
         c.status = 127 << 8;
+        stop_job(fmt::format("cannot start {}: {}", c.name, std::strerror(errno)));
       }
     }
     std::vector<pollfd> fds;
@@ -355,12 +424,13 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
         // at start, never able to begin): stop everything rather than wait for the timeout.
         // (Exit 0 is a server told to shut down: the job is ending.)
         const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!c.is_worker && &c != &children[0] && !clean && !scheduler_gone && !server_failed) {
-          server_failed = true;
-          std::fprintf(stderr, "dsyncps: %s ended (%s) while the job runs; stopping the job\n",
-                       c.name.c_str(), Describe(status).c_str());
-          kill_all(SIGTERM);
+        if (!c.is_worker && &c != &children[0] && !clean) {
+          stop_job(fmt::format("{} ended ({}) while the job runs", c.name, Describe(status)));
         }
+        // A worker that never joined would be waited for until the timeout (the first
+        // workers start round 0 together); one that dies after joining is a scenario the
+        // job survives.
+        if (c.is_worker && !JoinedBeforeExit(c)) stop_job(FailedBeforeJoining(c));
       }
     }
     if (hooks.on_tick) hooks.on_tick();
@@ -383,7 +453,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
 
   // The job succeeded if the scheduler and servers finished cleanly; a worker killed by a
   // signal is a failure the job is built to survive, not a failed job.
-  outcome.ok = !outcome.timed_out && !outcome.interrupted && !server_failed;
+  outcome.ok = !outcome.timed_out && !outcome.interrupted && outcome.failure.empty();
   for (const Child& c : children) {
     if (!c.started) continue;
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
@@ -407,7 +477,13 @@ void PrintLaunchSummary(const LaunchOutcome& outcome, const char* who) {
     std::printf("  %d worker(s) were killed during the job; it carried on without them\n",
                 outcome.workers_killed);
   }
-  std::printf("%s: %s\n", who, outcome.ok ? "job finished" : "job FAILED");
+  if (outcome.ok) {
+    std::printf("%s: job finished\n", who);
+  } else if (!outcome.failure.empty()) {
+    std::printf("%s: job FAILED: %s\n", who, outcome.failure.c_str());
+  } else {
+    std::printf("%s: job FAILED\n", who);
+  }
   std::fflush(stdout);
 }
 

@@ -1,5 +1,6 @@
 // Runs a whole cluster on this machine as processes of this program: the scheduler first
-// (it reports its port through a pipe, DSYNC_READY_FD), then the servers and workers. Every
+// (it reports its port through a pipe, DSYNC_READY_FD), then the servers and workers (each
+// says on a pipe of its own when it has joined; one that ends before stops the job). Every
 // child's output is relayed line by line; children die with the launcher (PR_SET_PDEATHSIG)
 // and are killed when the job ends or times out. `dsyncps local` and `dsyncps train` are
 // built on it; hooks let `train` watch the output, start joiners on demand and draw progress.
@@ -59,6 +60,7 @@ struct LaunchOutcome {
   bool timed_out = false;
   int interrupted = 0;    // the signal that stopped the launcher, or 0
   int workers_killed = 0; // workers that died by a signal (a scenario the job survives)
+  std::string failure;    // why the launcher stopped the job early ("" if it did not)
   std::vector<ChildOutcome> children;
 };
 

@@ -230,7 +230,15 @@ int main(int argc, char** argv) {
   loc->add_option("--worker-flags", local.worker_extra,
                   "WORKER=FLAGS: extra flags for one worker, e.g. '3=--slow 3'");
 
-  CLI11_PARSE(app, argc, argv);
+  // "dsyncps: error:" like every other refusal, so a launcher relaying it shows the reason.
+  app.failure_message([](const CLI::App* a, const CLI::Error& e) {
+    return "dsyncps: error: " + CLI::FailureMessage::simple(a, e);
+  });
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help is a success; anything else a usage error
+  }
   if (trn->parsed() || cmp->parsed()) {
     if (dsync::Status s = dsync::app::ApplyFlagText(main_text, main_config); !s.ok()) {
       std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());

@@ -22,16 +22,6 @@ int Fail(const Status& status) {
   return 1;
 }
 
-// A launcher waiting for the scheduler learns its port through DSYNC_READY_FD.
-void AnnounceReady(uint16_t port) {
-  const char* fd_text = std::getenv("DSYNC_READY_FD");
-  if (!fd_text) return;
-  const int fd = std::atoi(fd_text);
-  const std::string line = fmt::format("{}\n", port);
-  (void)!write(fd, line.data(), line.size());
-  close(fd);
-}
-
 // The watcher's pipe, for the signal handler (one watcher at a time).
 std::atomic<int> g_signal_fd{-1};
 constexpr char kWakeByte = 0;  // from the destructor; never a signal number
@@ -51,6 +41,15 @@ sigset_t StopSignals() {
 }
 
 }  // namespace
+
+void AnnounceReady(std::string_view line) {
+  const char* fd_text = std::getenv("DSYNC_READY_FD");
+  if (!fd_text) return;
+  const int fd = std::atoi(fd_text);
+  const std::string text = fmt::format("{}\n", line);
+  (void)!write(fd, text.data(), text.size());
+  close(fd);
+}
 
 // A handler rather than sigwait alone: OpenBLAS starts threads before main with nothing
 // blocked, so the kernel may hand the signal to one of them. The handler only writes to a
@@ -122,7 +121,7 @@ int RunScheduler(const Config& config) {
   if (!started.ok()) return Fail(started.status());
   scheduler = std::move(*started);
   signals.Arm([&scheduler] { scheduler->Stop(); });
-  AnnounceReady(scheduler->port());
+  AnnounceReady(std::to_string(scheduler->port()));  // the launcher learns the port
   Status st = scheduler->Run();
   const SchedulerStats s = scheduler->stats();
   spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, failed {}, "

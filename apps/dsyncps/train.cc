@@ -191,12 +191,20 @@ int TrainCount(Worker& w, const TrainOptions& t) {
   return 0;
 }
 
-int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers) {
+struct MlpData {
+  train::Dataset train, test;
+};
+
+Result<MlpData> LoadMlpData(const std::string& dir) {
+  MlpData d;
+  DSYNC_ASSIGN_OR_RETURN(d.train, train::LoadFashionMnist(dir, "train"));
+  DSYNC_ASSIGN_OR_RETURN(d.test, train::LoadFashionMnist(dir, "t10k"));
+  return d;
+}
+
+int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers,
+                      const MlpData& data) {
   const WorkerId me = w.job().worker_id;
-  auto train = train::LoadFashionMnist(t.data_dir, "train");
-  if (!train.ok()) return Fail(train.status());
-  auto test = train::LoadFashionMnist(t.data_dir, "t10k");
-  if (!test.ok()) return Fail(test.status());
   train::MlpTrainOptions o;
   o.iterations = t.iters;
   o.batch = t.batch;
@@ -228,7 +236,7 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
   };
   double loss_sum = 0, compute_sum = 0, norm_sum = 0;
   uint32_t since_report = 0;
-  auto report = train::TrainMlp(w, *train, *test, o, [&](const train::Progress& p) {
+  auto report = train::TrainMlp(w, data.train, data.test, o, [&](const train::Progress& p) {
     if (t.report_every) {
       loss_sum += p.loss;
       compute_sum += p.compute_seconds;
@@ -326,10 +334,18 @@ Status CheckWorkerMath(const TrainOptions& t) {
 int RunWorker(const Config& config, const TrainOptions& t) {
   // Several workers share this machine's cores: one BLAS thread each.
   openblas_set_num_threads(1);
+  // The data before joining: a worker without it must not take a place in the job.
+  MlpData data;
+  if (t.model == "mlp") {
+    auto loaded = LoadMlpData(t.data_dir);
+    if (!loaded.ok()) return Fail(loaded.status());
+    data = std::move(*loaded);
+  }
   auto worker = Worker::Start(config);
   if (!worker.ok()) return Fail(worker.status());
   Worker& w = **worker;
-  const int rc = t.model == "mlp"      ? TrainFashionMnist(w, t, config.num_workers)
+  AnnounceReady(std::to_string(w.job().worker_id));
+  const int rc = t.model == "mlp"      ? TrainFashionMnist(w, t, config.num_workers, data)
                  : t.model == "linreg" ? TrainLinear(w, t)
                                        : TrainCount(w, t);
   if (rc != 0) return rc;
