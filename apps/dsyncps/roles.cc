@@ -68,8 +68,8 @@ StopSignalWatcher::StopSignalWatcher() {
   sa.sa_handler = OnStopSignal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, &old_int_);
-  sigaction(SIGTERM, &sa, &old_term_);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -77,8 +77,11 @@ StopSignalWatcher::~StopSignalWatcher() {
   if (!thread_.joinable()) return;
   (void)!write(pipe_[1], &kWakeByte, 1);
   thread_.join();
-  sigaction(SIGINT, &old_int_, nullptr);
-  sigaction(SIGTERM, &old_term_, nullptr);
+  // From here the process is on its way out: a stop signal now (or one sent earlier whose
+  // thread has yet to run it; the disposition counts at delivery) is moot, and dying of it
+  // would turn a clean exit into a kill.
+  signal(SIGINT, SIG_IGN);
+  signal(SIGTERM, SIG_IGN);
   g_signal_fd = -1;
   close(pipe_[0]);
   close(pipe_[1]);

@@ -19,7 +19,8 @@ namespace dsync::app {
 // Turns SIGINT/SIGTERM into a call of a stop function on a thread of its own, so a node shuts
 // down cleanly (and a launcher can stop its children) instead of dying mid-frame. The thread
 // is joined when the watcher is destroyed: nothing it does (logging included) can overlap the
-// process's exit. One watcher at a time, created and destroyed on the same thread.
+// process's exit; later stop signals are ignored. One watcher at a time, created and destroyed
+// on the same thread, just before the process exits.
 class StopSignalWatcher {
  public:
   // Blocks the signals in the calling thread, so threads it starts later (a node's transport)
@@ -38,7 +39,6 @@ class StopSignalWatcher {
 
   int pipe_[2] = {-1, -1};
   sigset_t old_mask_;
-  struct sigaction old_int_, old_term_;
   std::mutex mu_;
   std::function<void()> stop_;
   int signal_ = 0;  // the first signal received, 0 if none
