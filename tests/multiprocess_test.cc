@@ -237,6 +237,13 @@ TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
        "--compute-ms", "10", "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "800",
        "--worker-flags", "1=--hang-at-iter 4"});
   EXPECT_NE(out.find("no heartbeat for 800 ms"), std::string::npos) << out;
+  // The stopped worker never ends by itself: the launcher kills it once the job is over, and
+  // says so instead of counting it as a worker killed during the job.
+  EXPECT_EQ(out.find("killed during the job"), std::string::npos) << out;
+  EXPECT_NE(out.find("the launcher stopped worker 1: still running 2 s after the scheduler had "
+                     "ended"),
+            std::string::npos)
+      << out;
   const uint64_t total = Completed(out);  // the hung worker reports what it completed
   EXPECT_EQ(total, 30u + 30u + 4u);
   ExpectModelCount(total, 1);
@@ -532,6 +539,11 @@ TEST_F(MultiProcess, AWorkerThatFailsBeforeJoiningStopsTheJobWithItsReason) {
     EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << "not left to the timeout\n" << out;
     EXPECT_NE(out.find(k.expect), std::string::npos) << out;
     EXPECT_NE(out.find("job FAILED: worker"), std::string::npos) << out;
+    // The others were stopped by the launcher, not killed during the job.
+    EXPECT_EQ(out.find("killed during the job"), std::string::npos) << out;
+    EXPECT_NE(out.find("the launcher stopped scheduler, server 0, server 1, worker 0"),
+              std::string::npos)
+        << out;
   }
 }
 

@@ -27,6 +27,8 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 constexpr int kSchedulerStartMs = 15000;  // a scheduler not listening by then never will
+// Once the scheduler has ended, the rest have this long to end by themselves.
+constexpr std::chrono::seconds kGraceAfterScheduler{2};
 
 struct Child {
   std::string name;
@@ -46,6 +48,7 @@ struct Child {
   std::string error;   // the reason in its last error line
   int ready = -1;      // workers: the pipe on which they say they have joined
   bool joined = false;
+  std::string stopped;  // why the launcher signalled it ("" if it did not)
 };
 
 int g_signal_pipe[2] = {-1, -1};
@@ -283,9 +286,12 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
   signal(SIGTERM, OnSignal);
 
   std::vector<Child> children;
-  auto kill_all = [&](int sig) {
+  // Signals every running child; `why` (the first one) is what the summary says of it.
+  auto kill_all = [&](int sig, const std::string& why) {
     for (Child& c : children) {
-      if (c.started && !c.exited) kill(c.pid, sig);
+      if (!c.started || c.exited) continue;
+      kill(c.pid, sig);
+      if (c.stopped.empty()) c.stopped = why;
     }
   };
   auto finish = [&] {
@@ -295,7 +301,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     signal(SIGTERM, SIG_DFL);
     for (Child& c : children) {
       if (c.ready >= 0) close(c.ready);
-      outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result});
+      outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result, c.stopped});
     }
     return outcome;
   };
@@ -325,6 +331,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     if (sched.started) {
       if (waitpid(sched.pid, &sched.status, WNOHANG) != sched.pid) {
         kill(sched.pid, SIGKILL);
+        sched.stopped = fmt::format("it had not reported its port in {} s",
+                                    kSchedulerStartMs / 1000);
         waitpid(sched.pid, &sched.status, 0);
       }
       sched.exited = true;
@@ -372,7 +380,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     }
     outcome.failure = why;
     std::fprintf(stderr, "dsyncps: %s; stopping the job\n", why.c_str());
-    kill_all(SIGTERM);
+    kill_all(SIGTERM, "the job failed");
   };
   for (;;) {
     const auto now = SteadyClock::now();
@@ -409,7 +417,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
       (void)!read(g_signal_pipe[0], &sig, 1);
       outcome.interrupted = sig;
       std::fprintf(stderr, "dsyncps: signal %d; stopping the cluster\n", sig);
-      kill_all(SIGTERM);
+      kill_all(SIGTERM, fmt::format("the launcher got signal {}", static_cast<int>(sig)));
     }
     for (Child& c : children) {
       if (!c.started || c.exited) continue;
@@ -419,7 +427,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
         c.exited = true;
         c.status = status;
         if (&c == &children[0]) scheduler_gone = SteadyClock::now();
-        if (c.is_worker && hooks.on_worker_exit) hooks.on_worker_exit(c.index, status);
+        if (c.is_worker && hooks.on_worker_exit) {
+          hooks.on_worker_exit(c.index, status, !c.stopped.empty());
+        }
         // A server that fails while the scheduler runs leaves the job without its slices (or,
         // at start, never able to begin): stop everything rather than wait for the timeout.
         // (Exit 0 is a server told to shut down: the job is ending.)
@@ -439,26 +449,30 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
     if (all_done && (scheduler_gone || outcome.interrupted)) break;
     // The job is over once the scheduler is: give the rest a moment, then stop them (a
     // worker stopped by SIGSTOP, say, would never exit by itself).
-    if (scheduler_gone && SteadyClock::now() - *scheduler_gone > std::chrono::seconds(2)) {
-      kill_all(SIGKILL);
+    if (scheduler_gone && SteadyClock::now() - *scheduler_gone > kGraceAfterScheduler) {
+      kill_all(SIGKILL, fmt::format("still running {} s after the scheduler had ended",
+                                    kGraceAfterScheduler.count()));
     }
     if (!outcome.timed_out && SteadyClock::now() > deadline) {
       outcome.timed_out = true;
       std::fprintf(stderr, "dsyncps: the job did not finish within %u s; killing it\n",
                    plan.timeout_s);
-      kill_all(SIGKILL);
+      kill_all(SIGKILL, fmt::format("the job timed out ({} s)", plan.timeout_s));
     }
-    if (outcome.interrupted && SteadyClock::now() > deadline) kill_all(SIGKILL);
+    if (outcome.interrupted && SteadyClock::now() > deadline) {
+      kill_all(SIGKILL, "the job timed out while stopping");
+    }
   }
 
   // The job succeeded if the scheduler and servers finished cleanly; a worker killed by a
-  // signal is a failure the job is built to survive, not a failed job.
+  // signal is a failure the job is built to survive, not a failed job. Workers the launcher
+  // stopped itself are not counted as killed: the summary says why it stopped them.
   outcome.ok = !outcome.timed_out && !outcome.interrupted && outcome.failure.empty();
   for (const Child& c : children) {
     if (!c.started) continue;
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
     if (c.is_worker && WIFSIGNALED(c.status)) {
-      ++outcome.workers_killed;
+      if (c.stopped.empty()) ++outcome.workers_killed;
     } else if (!clean) {
       outcome.ok = false;
     }
@@ -468,14 +482,22 @@ LaunchOutcome RunCluster(const std::string& self, const Config& job, const Launc
 
 void PrintLaunchSummary(const LaunchOutcome& outcome, const char* who) {
   std::printf("%s: summary\n", who);
+  std::map<std::string, std::string> stopped;  // why -> "worker 1, worker 2"
   for (const ChildOutcome& c : outcome.children) {
     if (!c.started) continue;
-    std::printf("  %-10s %-22s %s\n", c.name.c_str(), Describe(c.status).c_str(),
-                c.result.c_str());
+    std::printf("  %-10s %-22s %s%s\n", c.name.c_str(), Describe(c.status).c_str(),
+                c.stopped.empty() ? "" : "(stopped by the launcher) ", c.result.c_str());
+    if (!c.stopped.empty()) {
+      std::string& names = stopped[c.stopped];
+      names += (names.empty() ? "" : ", ") + c.name;
+    }
   }
   if (outcome.workers_killed) {
     std::printf("  %d worker(s) were killed during the job; it carried on without them\n",
                 outcome.workers_killed);
+  }
+  for (const auto& [why, names] : stopped) {
+    std::printf("  the launcher stopped %s: %s\n", names.c_str(), why.c_str());
   }
   if (outcome.ok) {
     std::printf("%s: job finished\n", who);

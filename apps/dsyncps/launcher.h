@@ -43,8 +43,8 @@ struct LaunchHooks {
   // About every 50 ms: true starts on-demand worker `worker` now.
   std::function<bool(uint32_t worker)> start_worker;
   std::function<void()> on_tick;
-  // A worker process ended (wait status).
-  std::function<void(uint32_t worker, int status)> on_worker_exit;
+  // A worker process ended (wait status; whether the launcher had signalled it).
+  std::function<void(uint32_t worker, int status, bool stopped_by_launcher)> on_worker_exit;
 };
 
 struct ChildOutcome {
@@ -53,13 +53,15 @@ struct ChildOutcome {
   bool started = false;
   int status = 0;
   std::string result;  // a worker's last "final ..." / "completed ..." line
+  std::string stopped;  // why the launcher signalled it ("" if it did not)
 };
 
 struct LaunchOutcome {
   bool ok = false;        // scheduler and servers finished cleanly, in time
   bool timed_out = false;
   int interrupted = 0;    // the signal that stopped the launcher, or 0
-  int workers_killed = 0; // workers that died by a signal (a scenario the job survives)
+  // Workers that died by a signal the launcher did not send (a scenario the job survives).
+  int workers_killed = 0;
   std::string failure;    // why the launcher stopped the job early ("" if it did not)
   std::vector<ChildOutcome> children;
 };

@@ -461,9 +461,9 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
     st.workers_running = counters.running();
     view.Update(st);
   };
-  hooks.on_worker_exit = [&](uint32_t i, int status) {
+  hooks.on_worker_exit = [&](uint32_t i, int status, bool stopped_by_launcher) {
     counters.Exited(i);
-    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {  // not the launcher stopping it
+    if (WIFSIGNALED(status) && !stopped_by_launcher) {
       view.Log(fmt::format("dsyncps train: worker {} was killed (signal {}); the job goes on", i,
                            WTERMSIG(status)));
     }
