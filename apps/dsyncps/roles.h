@@ -84,7 +84,7 @@ struct TrainOptions {
 };
 // Simulated compute per iteration (--compute-ms) is at most this: beyond, a typo, not a model.
 inline constexpr double kMaxComputeMs = 60000;
-// --slow (and train's --straggler factor) is at most this.
+// --slow (and train's --straggler factor) is at most this: beyond, a typo, not a straggler.
 inline constexpr double kMaxSlowdown = 1000;
 // `flag`'s value is a simulated compute time in [0, kMaxComputeMs] milliseconds.
 Status CheckComputeMs(const char* flag, double ms);
