@@ -255,13 +255,13 @@ TEST(ConfigValidate, RefusesOptimizerHyperparametersOutOfRange) {
       {&OptimizerConfig::weight_decay, -1.0f, "a finite number >= 0"},
   };
   for (const Case& k : cases) {
-    Config c;
+    Config c = WithToken();
     c.optimizer.*k.field = k.value;
     const Status s = c.Validate();
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << k.expect << " " << k.value;
     EXPECT_NE(s.message().find(k.expect), std::string::npos) << s.message();
   }
-  Config edges;
+  Config edges = WithToken();
   edges.optimizer.lr = 0.0f;
   edges.optimizer.momentum = 0.0f;
   edges.optimizer.beta1 = 0.0f;

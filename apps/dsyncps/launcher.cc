@@ -248,8 +248,14 @@ bool ParseIndexedAll(const std::vector<std::string>& specs, uint32_t limit, cons
 }
 
 
-LaunchOutcome RunCluster(const std::string& self, const Config& job, const LaunchPlan& plan,
+void EnsureJobToken(Config& job) {
+  if (job.token.empty()) job.token = ps::RandomToken();
+}
+
+LaunchOutcome RunCluster(const std::string& self, const Config& given, const LaunchPlan& plan,
                          const LaunchHooks& hooks) {
+  Config job = given;
+  EnsureJobToken(job);
   LaunchOutcome outcome;
   uint32_t initial = 0;
   for (const WorkerLaunch& w : plan.workers) initial += w.joins() ? 0 : 1;

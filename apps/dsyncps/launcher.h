@@ -67,6 +67,9 @@ struct LaunchOutcome {
 };
 
 // Returns once every child has ended. Failures to start are reported in the outcome.
+// A job started on this machine gets a fresh random token unless one was given.
+void EnsureJobToken(Config& job);
+
 LaunchOutcome RunCluster(const std::string& self, const Config& job, const LaunchPlan& plan,
                          const LaunchHooks& hooks);
 // The per-process table `dsyncps local` prints at the end.

@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include "flags.h"
+#include "launcher.h"
 #include "roles.h"
 #include "fashion_mnist.h"
 #include "train_job.h"
@@ -245,6 +246,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     MainJobCli& c = main_cli;
+    dsync::app::EnsureJobToken(main_config);
     c.spec.job = main_config;
     if (trn->parsed() && trn->get_option("--out")->count() == 0) c.spec.out_dir.clear();
     if (dsync::Status s = dsync::app::ParseScenario(c.straggler, c.join, c.leave, c.kill,
@@ -267,6 +269,7 @@ int main(int argc, char** argv) {
   if (server->parsed()) role = dsync::Role::kServer;
   if (worker->parsed()) role = dsync::Role::kWorker;
   if (loc->parsed()) {
+    dsync::app::EnsureJobToken(config);
     if (dsync::Status s = CheckLocal(*loc, local, config, train); !s.ok()) return Refuse(s);
     return dsync::app::RunLocal(SelfPath(argv[0]), local, config, train);
   }
