@@ -18,9 +18,16 @@
 #   --cache DIR      kernel cache (default $DSYNC_RXE_VM_CACHE or
 #                    ${XDG_CACHE_HOME:-/var/tmp}/dsyncps-rxe-vm); reused between runs.
 #   --cpus N         vCPUs (default: host cores, at most 4).   --mem SIZE   (default 2G)
-#   --accel A        QEMU accelerator (default kvm when /dev/kvm is usable, else tcg,thread=multi).
+#   --accel A        auto, kvm or tcg (default $DSYNC_RXE_ACCEL, else auto). auto: KVM when
+#                    /dev/kvm opens, falling back to TCG (software emulation, multi-threaded)
+#                    when the KVM guest prints nothing within KVM_FIRST_OUTPUT_S seconds or
+#                    QEMU ends before it printed (a /dev/kvm that opens but cannot run guests,
+#                    as under some nested virtualization); one line says so. kvm: KVM or a
+#                    clear failure, no fallback. tcg: never tries KVM.
 # Environment: DSYNC_RXE_KERNEL_PKG pins the kernel package (default: what linux-image-amd64
-# depends on; with no apt lists, the kernel cached last).
+# depends on; with no apt lists, the kernel cached last). DSYNC_RXE_ACCEL: see --accel.
+# DSYNC_RXE_TEST_HANGING_KVM=1 is a test hook for that fallback: /dev/kvm counts as usable and
+# the KVM attempt runs a stand-in that prints nothing and never ends (`sleep`) instead of QEMU.
 #
 # Inside the VM (busybox userland + rdma-core, perftest, iproute2), before the command runs:
 # modules rdma_rxe and rdma_ucm are loaded, eth0 (virtio-net, MTU 9000) has 10.0.2.15/24, lo
@@ -53,7 +60,14 @@ includes=() envs=() cmd="" cmd_timeout="" keep="" log=""
 timeout=${DSYNC_RXE_VM_TIMEOUT:-600}
 cache=${DSYNC_RXE_VM_CACHE:-${XDG_CACHE_HOME:-/var/tmp}/dsyncps-rxe-vm}
 cpus=$(nproc); [ "$cpus" -gt 4 ] && cpus=4
-mem=2G accel=""
+mem=2G
+accel=${DSYNC_RXE_ACCEL:-auto} accel_src="DSYNC_RXE_ACCEL=${DSYNC_RXE_ACCEL:-}"
+[ -n "${DSYNC_RXE_ACCEL:-}" ] || accel_src="the default (auto)"
+# A KVM guest that works prints its first line (init, once the kernel has unpacked the
+# initramfs) about a second after QEMU starts; under TCG that takes 10-20 s. A KVM guest still
+# silent after this bound is taken for a /dev/kvm that opens but cannot run guests. It is well
+# above a working KVM's time even on a loaded host, and small next to a TCG run (1-2 minutes).
+KVM_FIRST_OUTPUT_S=15
 while [ $# -gt 0 ]; do
   case $1 in
     --include|-i) [ $# -ge 2 ] || usage; includes+=("$2"); shift 2 ;;
@@ -66,7 +80,7 @@ while [ $# -gt 0 ]; do
     --cache) [ $# -ge 2 ] || usage; cache=$2; shift 2 ;;
     --cpus) [ $# -ge 2 ] || usage; cpus=$2; shift 2 ;;
     --mem) [ $# -ge 2 ] || usage; mem=$2; shift 2 ;;
-    --accel) [ $# -ge 2 ] || usage; accel=$2; shift 2 ;;
+    --accel) [ $# -ge 2 ] || usage; accel=$2; accel_src="--accel $2"; shift 2 ;;
     --) shift; [ $# -gt 0 ] || usage; cmd=""; for a in "$@"; do cmd+="$(sq "$a") "; done; break ;;
     -h|--help) usage ;;
     *) echo "$prog: unknown argument '$1'" >&2; usage ;;
@@ -76,12 +90,30 @@ done
 [[ $timeout =~ ^[0-9]+$ ]] || usage
 [ -n "$cmd_timeout" ] || cmd_timeout=$(( timeout > 180 ? timeout - 90 : timeout / 2 ))
 [[ $cmd_timeout =~ ^[0-9]+$ ]] || usage
+case $accel in
+  auto|kvm|tcg) ;;
+  *) echo "$prog: $accel_src: unknown accelerator '$accel' (expected auto, kvm or tcg)" >&2; exit 2 ;;
+esac
 [ "$(dpkg --print-architecture 2>/dev/null)" = amd64 ] || die "needs a Debian amd64 host"
 for t in qemu-system-x86_64 busybox cpio depmod modprobe ldd ldconfig apt-get dpkg flock; do
   command -v "$t" >/dev/null || PATH=$PATH:/usr/sbin:/sbin command -v "$t" >/dev/null ||
     die "'$t' not found: run scripts/deps.sh"
 done
 export PATH=$PATH:/usr/sbin:/sbin   # depmod/ldconfig live in sbin, absent from users' PATH
+
+# Opening /dev/kvm only shows that the module is loaded and we may use it: under some nested
+# virtualization it opens, yet guests never run (QEMU aborts, or the guest stays silent). Only
+# a guest's output proves KVM works, so boot_vm (below) checks for it (the probe).
+kvm_opens() {
+  [ "${DSYNC_RXE_TEST_HANGING_KVM:-0}" = 1 ] && return 0
+  [ -w /dev/kvm ] && (exec 3<>/dev/kvm) 2>/dev/null
+}
+case $accel in
+  auto) if kvm_opens; then attempts=(kvm tcg); else attempts=(tcg); fi ;;
+  kvm) kvm_opens || die "$accel_src: /dev/kvm is missing or cannot be opened read-write by $(id -un); use DSYNC_RXE_ACCEL=tcg (or auto)"
+       attempts=(kvm) ;;
+  tcg) attempts=(tcg) ;;
+esac
 
 now_ms() { local t=${EPOCHREALTIME/./}; echo $((t / 1000)); }   # no fork per call
 T0=$(now_ms)
@@ -100,9 +132,10 @@ else
   work=$(mktemp -d "${TMPDIR:-/tmp}/rxe-vm.XXXXXX")
 fi
 cleanup() {
-  # QEMU runs in a background pipeline; its pid file lets an interrupted run stop it, and the
+  # QEMU runs under timeout(1) in a background pipeline; the pid file of that timeout lets an
+  # interrupted run stop QEMU (timeout passes the TERM on, and sends KILL 10 s later), and the
   # pipeline must end before the work dir goes (it still writes there).
-  if [ -f "$work/qemu.pid" ]; then kill "$(cat "$work/qemu.pid")" 2>/dev/null || true; fi
+  if [ -f "$work/timeout.pid" ]; then kill "$(cat "$work/timeout.pid")" 2>/dev/null || true; fi
   if [ -n "$pipe_pid" ]; then wait "$pipe_pid" 2>/dev/null || true; fi
   if [ -z "$keep" ]; then rm -rf "$work" || true; fi
 }
@@ -324,32 +357,113 @@ chmod 755 "$R/init"
 stamp "initramfs built: $(du -h "$work/initrd.cpio" | cut -f1), ${#elfs[@]} programs/libraries scanned"
 
 # ---------------------------------------------------------------- 3. boot
-if [ -z "$accel" ]; then
-  if [ -w /dev/kvm ] && (exec 3<>/dev/kvm) 2>/dev/null; then accel=kvm; else accel=tcg,thread=multi; fi
-fi
-cpu=max; [[ $accel == kvm* ]] && cpu=host
-stamp "starting qemu (-accel $accel -smp $cpus -m $mem, timeout ${timeout}s, command timeout ${cmd_timeout}s)"
-TQ=$(now_ms)
-# -netdev user,restrict=on: the VM reaches nothing outside (rxe traffic to its own IP loops in
-# the kernel). romfile=: no iPXE option ROM needed (and ipxe-qemu may be absent).
-# The pipeline runs in the background so that a signal to this script is handled at once
-# (cleanup stops QEMU through its pid file) instead of after QEMU ends.
-(
-  qrc=0
-  timeout -k 10 "$timeout" qemu-system-x86_64 -machine q35 -accel "$accel" -cpu "$cpu" -m "$mem" \
-      -smp "$cpus" -nodefaults -display none -monitor none -serial stdio -no-reboot \
-      -pidfile "$work/qemu.pid" -kernel "$work/vmlinuz" -initrd "$work/initrd.cpio" \
-      -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,romfile= \
-      -append "console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off" </dev/null 2>&1 || qrc=$?
-  echo "$qrc" >"$work/qemu.rc"
-) | while IFS= read -r line || [ -n "$line" ]; do
-      d=$(( $(now_ms) - TQ )); printf '[qemu %4d.%03ds] %s\n' $((d / 1000)) $((d % 1000)) "${line%$'\r'}"
-    done | tee "$log" &
-pipe_pid=$!
-wait "$pipe_pid" || true
-pipe_pid=""
-qrc=$(cat "$work/qemu.rc" 2>/dev/null || echo "?")
-rm -f "$work/qemu.pid"
+kvm_log=${log%.log}.kvm.log   # the console log of a KVM attempt that failed the probe
+rm -f "$kvm_log"
+
+# Reads QEMU's side of the console (QEMU's own messages and the shell's arrive tagged with
+# \037, the guest's serial output untagged), timestamps each line into the console log (fd 3)
+# and onto stdout, and creates $1 at the guest's first line. With $2 = probe, QEMU's own lines
+# before that go to the log only: if the guest never prints, one line sums up the failed KVM
+# attempt instead of a QEMU error dump followed by a retry.
+console_reader() {
+  local flag=$1 hold=$2 line own seen="" held=() d
+  while IFS= read -r line || [ -n "$line" ]; do
+    d=$(( $(now_ms) - TQ )); own=""
+    if [[ $line == $'\037'* ]]; then own=1; line=${line#$'\037'}; fi
+    printf -v line '[qemu %4d.%03ds] %s' $((d / 1000)) $((d % 1000)) "${line%$'\r'}"
+    printf '%s\n' "$line" >&3
+    if [ -z "$own" ] && [ -z "$seen" ]; then
+      seen=1; : >"$flag"
+      [ ${#held[@]} -eq 0 ] || printf '%s\n' "${held[@]}"
+    fi
+    if [ -n "$own" ] && [ -z "$seen" ] && [ "$hold" = probe ]; then held+=("$line"); else printf '%s\n' "$line"; fi
+  done
+}
+
+# boot_vm ACCEL LIMIT [probe]: one QEMU run under ACCEL (kvm or tcg), bounded by LIMIT s; sets
+# qrc to QEMU's exit status. With probe, sets probe_failure to the reason if the guest printed
+# nothing before QEMU ended or within KVM_FIRST_OUTPUT_S (QEMU is then stopped). Its status
+# means nothing (the caller reads probe_failure), so that it is not tested: set -e would not
+# apply inside it then.
+probe_failure=""
+boot_vm() {
+  local a=$1 limit=$2 probe=${3:-} qaccel=tcg,thread=multi cpu=max first deadline
+  [ "$a" = kvm ] && qaccel=kvm cpu=host
+  # -netdev user,restrict=on: the VM reaches nothing outside (rxe traffic to its own IP loops
+  # in the kernel). romfile=: no iPXE option ROM needed (and ipxe-qemu may be absent).
+  # shellcheck disable=SC2054  # the commas are inside QEMU's option values
+  local qemu=(qemu-system-x86_64 -machine q35 -accel "$qaccel" -cpu "$cpu" -m "$mem"
+      -smp "$cpus" -nodefaults -display none -monitor none -serial stdio -no-reboot
+      -kernel "$work/vmlinuz" -initrd "$work/initrd.cpio"
+      -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,romfile=
+      -append "console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off")
+  if [ "$a" = kvm ] && [ "${DSYNC_RXE_TEST_HANGING_KVM:-0}" = 1 ]; then
+    qemu=(sleep "$limit"); stamp "test hook DSYNC_RXE_TEST_HANGING_KVM=1: a silent 'sleep' stands in for QEMU under KVM"
+  fi
+  stamp "starting qemu (-accel $qaccel -smp $cpus -m $mem, timeout ${limit}s, command timeout ${cmd_timeout}s)"
+  rm -f "$work/qemu.rc" "$work/guest-output" "$work/timeout.pid"
+  TQ=$(now_ms)
+  # The pipeline runs in the background so that a signal to this script is handled at once
+  # (cleanup stops QEMU through timeout's pid file) instead of after QEMU ends, and so that
+  # the probe can watch it.
+  (
+    rc=0
+    timeout -k 10 "$limit" "${qemu[@]}" </dev/null &
+    echo $! >"$work/timeout.pid"
+    wait $! || rc=$?
+    echo "$rc" >"$work/qemu.rc.new" && mv "$work/qemu.rc.new" "$work/qemu.rc"
+  ) 2> >(while IFS= read -r l || [ -n "$l" ]; do printf '\037%s\n' "$l"; done) |
+    console_reader "$work/guest-output" "$probe" 3>"$log" &
+  pipe_pid=$!
+  if [ "$probe" = probe ]; then
+    # Wait for the guest's first line, for QEMU's end, or for KVM_FIRST_OUTPUT_S.
+    deadline=$(( TQ + KVM_FIRST_OUTPUT_S * 1000 ))
+    while [ ! -e "$work/guest-output" ] && [ ! -e "$work/qemu.rc" ] && [ "$(now_ms)" -lt "$deadline" ]; do
+      sleep 0.1
+    done
+    if [ ! -e "$work/guest-output" ] && [ ! -e "$work/qemu.rc" ]; then
+      first=$(sed -n '1s/^\[qemu [ 0-9.]*s\] //p' "$log")
+      probe_failure="the guest printed nothing within ${KVM_FIRST_OUTPUT_S}s (QEMU stopped${first:+; it said: $first})"
+      # Stop it: timeout passes the TERM on to QEMU and sends KILL 10 s later.
+      kill "$(cat "$work/timeout.pid")" 2>/dev/null || true
+      deadline=$(( $(now_ms) + 15000 ))
+      while [ ! -e "$work/qemu.rc" ] && [ "$(now_ms)" -lt "$deadline" ]; do sleep 0.1; done
+      if [ ! -e "$work/qemu.rc" ]; then
+        pipe_pid=""   # cleanup must not wait for it either
+        die "QEMU under KVM did not end within 15 s of TERM (and KILL after 10 s); giving up"
+      fi
+    fi
+  fi
+  # QEMU has ended here, or runs bounded by timeout -k 10 LIMIT: the reader ends after it.
+  wait "$pipe_pid" || true
+  pipe_pid=""
+  rm -f "$work/timeout.pid"
+  qrc=$(cat "$work/qemu.rc" 2>/dev/null || echo "?")
+  if [ "$probe" = probe ] && [ ! -e "$work/guest-output" ]; then
+    if [ -z "$probe_failure" ]; then
+      first=$(sed -n '1s/^\[qemu [ 0-9.]*s\] //p' "$log")
+      probe_failure="QEMU exited with status $qrc before the guest printed anything${first:+ ($first)}"
+    fi
+    mv "$log" "$kvm_log"
+  fi
+}
+
+TB=$(now_ms)
+for a in "${attempts[@]}"; do
+  limit=$(( timeout - ($(now_ms) - TB) / 1000 ))
+  if [ "$limit" -lt 1 ]; then
+    stamp "FAIL: the VM ran past --timeout ${timeout}s (console log: $kvm_log)"; exit 124
+  fi
+  probe=""; [ "$a" = kvm ] && probe=probe
+  probe_failure=""
+  boot_vm "$a" "$limit" $probe
+  [ -n "$probe_failure" ] || break
+  if [ "$accel" = kvm ]; then
+    stamp "FAIL: KVM does not run the VM here: $probe_failure; no fallback to TCG with $accel_src (use DSYNC_RXE_ACCEL=tcg or auto; console log: $kvm_log)"
+    exit 125
+  fi
+  stamp "KVM does not run the VM here: $probe_failure; retrying under TCG software emulation (slower; DSYNC_RXE_ACCEL=tcg skips the KVM try; its console log: $kvm_log)"
+done
 [ -z "$keep" ] || cp "$log" "$work/console.log"
 
 rc=$(sed -n 's/^\[qemu [ 0-9.]*s\] RXE-VM EXIT \([0-9]\{1,3\}\)$/\1/p' "$log" | tail -1)
