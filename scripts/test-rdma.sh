@@ -3,8 +3,9 @@
 # on machines without RDMA hardware or kernel support. Called by scripts/test.sh after ctest;
 # expects scripts/build.sh to have run. Every command below runs, in order; the run fails if
 # any fails. Console log: ${DSYNC_BUILD_DIR:-build}/rxe-vm/console.log.
-# Environment: DSYNC_RDMA_VM_TIMEOUT (whole VM run, s, default 600); extra arguments are passed
-# to scripts/rxe-vm.sh (e.g. --keep DIR, --cpus N).
+# Environment: DSYNC_RDMA_VM_TIMEOUT (whole VM run, s, default 600), DSYNC_RXE_ACCEL (auto, kvm
+# or tcg: QEMU's accelerator, see scripts/rxe-vm.sh); extra arguments are passed to
+# scripts/rxe-vm.sh (e.g. --keep DIR, --cpus N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
