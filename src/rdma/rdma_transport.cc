@@ -25,6 +25,7 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "ps/inbound_counter.h"
 #include "rdma/mr_cache.h"
 
 namespace dsync::rdma {
@@ -511,7 +512,7 @@ class Rdma final : public RdmaTransport {
   void Forget(const std::shared_ptr<Conn>& c) {
     std::lock_guard lock(mu_);
     ReleasePendingLocked(*c);
-    if (c->inbound && by_cm_.contains(c->cm)) --inbound_;
+    if (c->inbound && by_cm_.contains(c->cm)) inbound_.Closed();
     conns_.erase(c->id);
     by_cm_.erase(c->cm);
   }
@@ -519,31 +520,7 @@ class Rdma final : public RdmaTransport {
   void ReleasePendingLocked(Conn& c) {
     if (!c.pending) return;
     c.pending = false;
-    --pending_;
-    if (auto it = pending_by_source_.find(c.source);
-        it != pending_by_source_.end() && --it->second == 0) {
-      pending_by_source_.erase(it);
-    }
-  }
-
-  // Whether one more stranger from `source` may connect; counts it when so.
-  bool AdmitPendingLocked(const std::string& source, std::string* why) {
-    const ps::AdmissionLimits& lim = options_.admission;
-    if (inbound_ >= lim.max_connections) {
-      *why = fmt::format("{} connections are open, the most this listener takes", inbound_);
-    } else if (pending_ >= lim.max_pending) {
-      *why = fmt::format("{} connections have not authenticated yet", pending_);
-    } else if (pending_by_source_[source] >= lim.max_pending_per_source) {
-      *why = fmt::format("{} connections from {} have not authenticated yet",
-                         pending_by_source_[source], source);
-    } else {
-      ++inbound_;
-      ++pending_;
-      ++pending_by_source_[source];
-      return true;
-    }
-    if (pending_by_source_[source] == 0) pending_by_source_.erase(source);
-    return false;
+    inbound_.NoLongerPending(c.source);
   }
 
   // Strangers past the handshake timeout are dropped (progress thread).
@@ -1427,7 +1404,7 @@ class Rdma final : public RdmaTransport {
       // Refused before its ring is allocated and registered.
       std::string why;
       std::lock_guard lock(mu_);
-      if (!AdmitPendingLocked(conn->source, &why)) {
+      if (!inbound_.Admit(conn->source, &why)) {
         const auto now = SteadyClock::now();
         if (now - last_cap_warning_ > std::chrono::seconds(1)) {
           last_cap_warning_ = now;
@@ -1446,7 +1423,7 @@ class Rdma final : public RdmaTransport {
       {
         std::lock_guard lock(mu_);
         ReleasePendingLocked(*conn);
-        --inbound_;
+        inbound_.Closed();
       }
       rdma_reject(id, nullptr, 0);
       if (conn->qp) rdma_destroy_qp(id);
@@ -1489,9 +1466,7 @@ class Rdma final : public RdmaTransport {
   std::unordered_map<rdma_cm_id*, std::shared_ptr<Conn>> by_cm_;
   std::vector<std::shared_ptr<Conn>> close_requests_;
   std::vector<std::pair<const void*, size_t>> pinned_;  // RegisterMemory'd, for new devices
-  uint32_t inbound_ = 0;                                // inbound connections set up
-  uint32_t pending_ = 0;                                // of them not authenticated yet
-  std::unordered_map<std::string, uint32_t> pending_by_source_;
+  ps::InboundCounter inbound_{options_.admission};     // under mu_
   SteadyClock::time_point last_cap_warning_;
   SteadyClock::time_point last_expiry_check_;           // progress thread only
   std::atomic<const ps::DeviceMemory*> device_memory_{nullptr};  // GPUDirect RDMA, once on

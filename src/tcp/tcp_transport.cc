@@ -407,27 +407,6 @@ void TcpTransport::AcceptLoop(Listener* l) {
   }
 }
 
-bool TcpTransport::AdmitPendingLocked(const std::string& source, std::string* why) {
-  const ps::AdmissionLimits& lim = options_.admission;
-  if (inbound_ >= lim.max_connections) {
-    *why = fmt::format("{} connections are open, the most this listener takes", inbound_);
-  } else if (pending_ >= lim.max_pending) {
-    *why = fmt::format("{} connections have not authenticated yet, the most it waits for",
-                       pending_);
-  } else if (pending_by_source_[source] >= lim.max_pending_per_source) {
-    *why = fmt::format("{} connections from {} have not authenticated yet, the most it takes "
-                       "from one address",
-                       pending_by_source_[source], source);
-  } else {
-    ++inbound_;
-    ++pending_;
-    ++pending_by_source_[source];
-    return true;
-  }
-  if (pending_by_source_[source] == 0) pending_by_source_.erase(source);
-  return false;
-}
-
 void TcpTransport::ReleasePending(Conn& c) {
   std::lock_guard lock(mu_);
   ReleasePendingLocked(c);
@@ -435,17 +414,13 @@ void TcpTransport::ReleasePending(Conn& c) {
 
 void TcpTransport::ForgetInboundLocked(Conn& c) {
   ReleasePendingLocked(c);
-  if (c.inbound) --inbound_;
+  if (c.inbound) inbound_.Closed();
 }
 
 void TcpTransport::ReleasePendingLocked(Conn& c) {
   if (!c.pending) return;
   c.pending = false;
-  --pending_;
-  if (auto it = pending_by_source_.find(c.source);
-      it != pending_by_source_.end() && --it->second == 0) {
-    pending_by_source_.erase(it);
-  }
+  inbound_.NoLongerPending(c.source);
 }
 
 Result<PeerId> TcpTransport::Connect(const std::string& host, uint16_t port, uint32_t timeout_ms) {
@@ -501,7 +476,7 @@ Result<PeerId> TcpTransport::Adopt(int fd, bool inbound, std::string source) {
     // Refused before any thread or buffer exists for it: a flood of strangers costs an
     // accept and a close each.
     std::string why;
-    if (!AdmitPendingLocked(source, &why)) {
+    if (!inbound_.Admit(source, &why)) {
       close(fd);
       const auto now = Clock::now();
       if (now - last_cap_warning_ > std::chrono::seconds(1)) {
@@ -882,7 +857,8 @@ std::string TcpTransport::PeerAddress(PeerId peer) const {
   return fmt::format("peer {}", peer);
 }
 
-TcpTransport::TcpTransport(TcpOptions options) : options_(options) {}
+TcpTransport::TcpTransport(TcpOptions options)
+    : options_(options), inbound_(options.admission) {}
 
 std::unique_ptr<ps::Transport> MakeTcpTransport(TcpOptions options) {
   return std::make_unique<TcpTransport>(options);

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "ps/inbound_counter.h"
 #include "ps/transport.h"
 
 namespace dsync::tcp {
@@ -65,9 +66,6 @@ class TcpTransport final : public ps::Transport {
   std::shared_ptr<Conn> Find(ps::PeerId peer) const;
   // Takes ownership of a connected socket and starts its threads.
   Result<ps::PeerId> Adopt(int fd, bool inbound, std::string source = {});
-  // Whether the admission limits let one more unauthenticated connection from `source` in;
-  // counts it when they do. Caller holds mu_.
-  bool AdmitPendingLocked(const std::string& source, std::string* why);
   // The connection authenticated or ended: it no longer counts as pending.
   void ReleasePending(Conn& conn);
   void ReleasePendingLocked(Conn& conn);
@@ -90,9 +88,7 @@ class TcpTransport final : public ps::Transport {
   std::unordered_map<ps::PeerId, std::shared_ptr<Conn>> conns_;
   std::vector<std::shared_ptr<Conn>> finished_;  // reader done, not yet joined
   std::vector<std::unique_ptr<Listener>> listeners_;
-  uint32_t inbound_ = 0;                                   // inbound connections open
-  uint32_t pending_ = 0;                                   // of them unauthenticated
-  std::unordered_map<std::string, uint32_t> pending_by_source_;
+  ps::InboundCounter inbound_;
   std::chrono::steady_clock::time_point last_cap_warning_;  // one warning per second at most
 
   std::mutex shutdown_mu_;  // makes a second Shutdown() wait for the first
