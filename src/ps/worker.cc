@@ -484,7 +484,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     if (!st.ok()) {
       // On success the payloads left long ago (the servers acknowledged them); after a
       // failure the transport may still be reading some: the caller frees them next.
+      ++payload_waiters_;
       cv_.wait(lock, [&] { return payload_sends_ == 0; });
+      --payload_waiters_;
     }
     if (version) *version = ops_[op].version;
     FreeOp(op);
@@ -498,7 +500,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     ++payload_sends_;
     Status st = transport_->Send(peer, h, meta, data, bytes, [this](const Status&) {
       std::lock_guard lock(mu_);
-      if (--payload_sends_ == 0) cv_.notify_all();
+      // Only an error path waits for this: waking every waiter per frame would cost a
+      // context switch per push.
+      if (--payload_sends_ == 0 && payload_waiters_ > 0) cv_.notify_all();
     });
     if (!st.ok()) --payload_sends_;
     return st;
@@ -830,6 +834,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   SteadyClock::time_point handshake_heard_;  // the peer's last word during the handshake
   std::string pending_why_;                  // what the scheduler said admission waits for
   uint32_t payload_sends_ = 0;               // sends still reading the caller's memory
+  uint32_t payload_waiters_ = 0;             // Wait() calls waiting for them to end
   std::vector<std::byte> commit_meta_;       // reused for every commit
   std::vector<CommittedTensor> spare_claims_;  // reused by the next clock
   bool leaving_ = false;
