@@ -528,7 +528,8 @@ TEST_P(TransportTest, ConcurrentSendersOnOneConnectionDeliverEachFrameOnce) {
   std::vector<std::thread> threads;
   std::atomic<int> send_errors{0};
   for (uint32_t t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
+    // cp by an init-capture: clang before 16 cannot capture structured bindings.
+    threads.emplace_back([&, t, cp = cp] {
       for (uint64_t i = 0; i < kPerThread; ++i) {
         FrameHeader h = TestHeader(MsgType::kPush, i);
         h.set_tensor(t);
@@ -599,14 +600,15 @@ TEST_P(TransportTest, BothSidesSendLargePayloadsAtOnce) {
   const auto a = Pattern(kBytes, 1);
   const auto b = Pattern(kBytes, 2);
   DoneTracker done_a(kFrames), done_b(kFrames);
-  std::thread ta([&] {
+  // By init-captures: clang before 16 cannot capture structured bindings.
+  std::thread ta([&, cp = cp] {
     for (size_t i = 0; i < kFrames; ++i) {
       EXPECT_TRUE(
           client_->Send(cp, TestHeader(MsgType::kPush, i), {}, a.data(), kBytes, done_a.For(i))
               .ok());
     }
   });
-  std::thread tb([&] {
+  std::thread tb([&, sp = sp] {
     for (size_t i = 0; i < kFrames; ++i) {
       EXPECT_TRUE(
           server_->Send(sp, TestHeader(MsgType::kPullReply, i), {}, b.data(), kBytes, done_b.For(i))
