@@ -13,6 +13,7 @@
 #include <cstring>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -105,12 +106,28 @@ class FakeGpuStore final : public ps::ParamStore {
   FakeDeviceMemory* memory_;
 };
 
+struct DirectCounts {
+  uint64_t device_received = 0, host_received = 0, device_sent = 0, host_sent = 0;
+  uint64_t device_registered = 0, violations = 0;
+};
+
+// What a DirectTcp saw, shared with the test: the server destroys its transport when the job
+// ends, and the test reads the counts after that.
+struct DirectLog {
+  DirectCounts Read() const {
+    std::lock_guard lock(mu);
+    return counts;
+  }
+  mutable std::mutex mu;
+  DirectCounts counts;
+};
+
 // TCP underneath, GPUDirect claimed on top; every payload the server hands it is checked
 // against the rule EnableDeviceMemory states.
 class DirectTcp final : public WrappedTcp {
  public:
-  explicit DirectTcp(bool can, bool register_fails = false)
-      : can_(can), register_fails_(register_fails) {}
+  DirectTcp(std::shared_ptr<DirectLog> log, bool can, bool register_fails = false)
+      : log_(std::move(log)), can_(can), register_fails_(register_fails) {}
 
   std::string_view name() const override { return "direct-tcp"; }
   Status Send(ps::PeerId peer, ps::FrameHeader h, std::span<const std::byte> meta,
@@ -124,7 +141,8 @@ class DirectTcp final : public WrappedTcp {
       if (register_fails_) {
         return Error(StatusCode::kUnavailable, "ibv_reg_dmabuf_mr failed (test)");
       }
-      ++device_registered_;
+      std::lock_guard log_lock(log_->mu);
+      ++log_->counts.device_registered;
     }
     return Status::Ok();
   }
@@ -142,36 +160,26 @@ class DirectTcp final : public WrappedTcp {
     return p;
   }
 
-  struct Counts {
-    uint64_t device_received = 0, host_received = 0, device_sent = 0, host_sent = 0;
-    uint64_t device_registered = 0, violations = 0;
-  };
-  Counts counts() const {
-    std::lock_guard lock(mu_);
-    Counts c = counts_;
-    c.device_registered = device_registered_;
-    return c;
-  }
-
  private:
   void Check(const void* p, uint64_t len, bool receive) {
     std::lock_guard lock(mu_);
     const bool device = memory_ && memory_->Contains(p, len);
+    std::lock_guard log_lock(log_->mu);
+    DirectCounts& c = log_->counts;
     if (device) {
-      ++(receive ? counts_.device_received : counts_.device_sent);
-      if (len < kDirectMin) ++counts_.violations;  // the CPU would have to copy it
+      ++(receive ? c.device_received : c.device_sent);
+      if (len < kDirectMin) ++c.violations;  // the CPU would have to copy it
     } else {
-      ++(receive ? counts_.host_received : counts_.host_sent);
-      if (memory_ && len >= kDirectMin) ++counts_.violations;  // staged for nothing
+      ++(receive ? c.host_received : c.host_sent);
+      if (memory_ && len >= kDirectMin) ++c.violations;  // staged for nothing
     }
   }
 
+  const std::shared_ptr<DirectLog> log_;
   const bool can_;
   const bool register_fails_;  // the probe passed, but mapping GPU memory fails
   mutable std::mutex mu_;
   const ps::DeviceMemory* memory_ = nullptr;
-  uint64_t device_registered_ = 0;
-  Counts counts_;
 };
 
 struct JobResult {
@@ -261,9 +269,9 @@ TEST(GpuDirect, LargePayloadsGoToDeviceMemorySmallOnesStayOnTheHostAndTheModelIs
   EXPECT_EQ(reference->stats.device_buffers, 0u);
 
   FakeDeviceMemory memory;
-  auto transport = std::make_unique<DirectTcp>(/*can=*/true);
-  DirectTcp* direct = transport.get();
-  auto job = RunJob(JobConfig("on"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  auto log = std::make_shared<DirectLog>();
+  auto job = RunJob(JobConfig("on"), std::make_unique<DirectTcp>(log, /*can=*/true),
+                    std::make_unique<FakeGpuStore>(&memory));
   ASSERT_TRUE(job.ok()) << job.status().ToString();
 
   ASSERT_EQ(job->big.size(), kBig);
@@ -272,7 +280,7 @@ TEST(GpuDirect, LargePayloadsGoToDeviceMemorySmallOnesStayOnTheHostAndTheModelIs
   EXPECT_EQ(0, std::memcmp(job->small.data(), reference->small.data(), kSmall * sizeof(float)));
   EXPECT_NE(job->big[0], std::sin(0.0f)) << "the model should have moved";
 
-  const DirectTcp::Counts c = direct->counts();
+  const DirectCounts c = log->Read();
   EXPECT_EQ(c.violations, 0u);
   // Every push of the big tensor (and its initial values) arrived in device memory; every
   // pull reply of it left from there; the small tensor never touched it.
@@ -289,13 +297,13 @@ TEST(GpuDirect, LargePayloadsGoToDeviceMemorySmallOnesStayOnTheHostAndTheModelIs
 
 TEST(GpuDirect, AutoStagesThroughHostMemoryWhenTheTransportCannot) {
   FakeDeviceMemory memory;
-  auto transport = std::make_unique<DirectTcp>(/*can=*/false);
-  DirectTcp* direct = transport.get();
-  auto job = RunJob(JobConfig("auto"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  auto log = std::make_shared<DirectLog>();
+  auto job = RunJob(JobConfig("auto"), std::make_unique<DirectTcp>(log, /*can=*/false),
+                    std::make_unique<FakeGpuStore>(&memory));
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_EQ(job->stats.device_buffers, 0u);
   EXPECT_EQ(memory.allocations(), 0u);
-  EXPECT_EQ(direct->counts().device_received + direct->counts().device_sent, 0u);
+  EXPECT_EQ(log->Read().device_received + log->Read().device_sent, 0u);
 }
 
 // The NIC passed the start-up probe but cannot map GPU memory after all (IOMMU, PCIe
@@ -305,23 +313,25 @@ TEST(GpuDirect, ARegistrationFailureFallsBackToHostMemoryOnceAndForAll) {
   auto reference = RunJob(JobConfig("off"), tcp::MakeTcpTransport({}), cpu::MakeCpuStore());
   ASSERT_TRUE(reference.ok()) << reference.status().ToString();
   FakeDeviceMemory memory;
-  auto transport = std::make_unique<DirectTcp>(/*can=*/true, /*register_fails=*/true);
-  DirectTcp* direct = transport.get();
-  auto job = RunJob(JobConfig("on"), std::move(transport), std::make_unique<FakeGpuStore>(&memory));
+  auto log = std::make_shared<DirectLog>();
+  auto job = RunJob(JobConfig("on"),
+                    std::make_unique<DirectTcp>(log, /*can=*/true, /*register_fails=*/true),
+                    std::make_unique<FakeGpuStore>(&memory));
   ASSERT_TRUE(job.ok()) << job.status().ToString();
   EXPECT_EQ(0, std::memcmp(job->big.data(), reference->big.data(), kBig * sizeof(float)));
   EXPECT_EQ(job->stats.device_buffers, 0u);
   // One failed try, or one per connection whose payload raced the first failure.
   EXPECT_GE(memory.allocations(), 1u);
   EXPECT_LE(memory.allocations(), uint64_t{kWorkers});
-  const DirectTcp::Counts c = direct->counts();
+  const DirectCounts c = log->Read();
   EXPECT_EQ(c.device_received + c.device_sent, 0u);
 }
 
 TEST(GpuDirect, OnFailsToStartSayingWhy) {
   {
     FakeDeviceMemory memory;
-    auto job = RunJob(JobConfig("on"), std::make_unique<DirectTcp>(/*can=*/false),
+    auto job = RunJob(JobConfig("on"),
+                      std::make_unique<DirectTcp>(std::make_shared<DirectLog>(), /*can=*/false),
                       std::make_unique<FakeGpuStore>(&memory));
     ASSERT_FALSE(job.ok());
     EXPECT_NE(job.status().message().find("--gpudirect on"), std::string::npos);
