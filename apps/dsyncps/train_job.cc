@@ -330,6 +330,10 @@ Status ParseScenario(const std::vector<std::string>& straggler, const std::vecto
   auto put_round = [&](const char* flag, std::map<uint32_t, uint64_t>& m) {
     return [&, flag](uint32_t i, const std::string& v) -> Status {
       DSYNC_ASSIGN_OR_RETURN(double x, number(flag, v, 0));
+      // Converting a double past the largest uint64_t is undefined behaviour.
+      if (!(x < 0x1p64)) {
+        return Error(StatusCode::kInvalidArgument, "{}: round '{}' is too large", flag, v);
+      }
       m[i] = static_cast<uint64_t>(x);
       return Status::Ok();
     };
