@@ -1,0 +1,114 @@
+// Config::FromEnvironment over arbitrary variables: the names it reads (and a few it does
+// not) with arbitrary values. Beyond not crashing:
+// - ps-lite's DMLC_* names are fallbacks: moving each to its DSYNC_* name (where that is not
+//   set) changes nothing;
+// - an empty variable counts as unset;
+// - an accepted configuration keeps its values in range, and one that also passes
+//   Validate() holds only finite optimizer settings (they travel to every node as JSON,
+//   which has no infinities).
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <cmath>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "dsync/config.h"
+#include "fuzz_check.h"
+
+using namespace dsync;
+
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+// Every name FromEnvironment reads, and two it must ignore.
+constexpr const char* kNames[] = {
+    "DSYNC_ROLE", "DMLC_ROLE", "DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI", "DSYNC_SCHEDULER_PORT",
+    "DMLC_PS_ROOT_PORT", "DSYNC_PORT", "DMLC_PORT", "DSYNC_INTERFACE", "DMLC_NODE_HOST",
+    "DSYNC_TOKEN", "DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER", "DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER",
+    "DSYNC_SYNC", "DSYNC_OPTIMIZER", "DSYNC_LR", "DSYNC_MOMENTUM", "DSYNC_BETA1", "DSYNC_BETA2",
+    "DSYNC_EPS", "DSYNC_WEIGHT_DECAY", "DSYNC_SLICE_BYTES", "DSYNC_MAX_GRADIENTS",
+    "DSYNC_LINK_DELAY_MS", "DSYNC_HEARTBEAT_MS", "DSYNC_HEARTBEAT_TIMEOUT_MS",
+    "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
+    "DSYNC_STORE", "DSYNC_GPUDIRECT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+    "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "DSYNC_AUDIT_LOG", "DSYNC_DUMP_MODEL",
+    "DSYNC_UNKNOWN", "HOME"};
+
+// ps-lite's names and the DSYNC_* names they stand in for.
+constexpr std::pair<const char*, const char*> kFallbacks[] = {
+    {"DMLC_ROLE", "DSYNC_ROLE"},           {"DMLC_PS_ROOT_URI", "DSYNC_SCHEDULER_URI"},
+    {"DMLC_PS_ROOT_PORT", "DSYNC_SCHEDULER_PORT"}, {"DMLC_PORT", "DSYNC_PORT"},
+    {"DMLC_NODE_HOST", "DSYNC_INTERFACE"}, {"DMLC_NUM_SERVER", "DSYNC_NUM_SERVERS"},
+    {"DMLC_NUM_WORKER", "DSYNC_NUM_WORKERS"}};
+
+bool Same(const Config& a, const Config& b) {
+  return a.role == b.role && a.scheduler_host == b.scheduler_host &&
+         a.scheduler_port == b.scheduler_port && a.bind_host == b.bind_host && a.port == b.port &&
+         a.token == b.token && a.num_servers == b.num_servers && a.num_workers == b.num_workers &&
+         a.sync == b.sync && a.optimizer.kind == b.optimizer.kind &&
+         // bit for bit: NaN settings compare equal to themselves
+         std::memcmp(&a.optimizer, &b.optimizer, sizeof a.optimizer) == 0 &&
+         a.slice_bytes == b.slice_bytes && a.max_gradients == b.max_gradients &&
+         a.observer == b.observer && a.link_delay_us == b.link_delay_us &&
+         a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
+         a.heartbeat_timeout_ms == b.heartbeat_timeout_ms &&
+         a.connect_timeout_ms == b.connect_timeout_ms && a.transport == b.transport &&
+         a.rdma_device == b.rdma_device && a.gid_index == b.gid_index && a.store == b.store &&
+         a.gpudirect == b.gpudirect && a.audit_log == b.audit_log && a.dump_model == b.dump_model;
+}
+
+bool SameOutcome(const Result<Config>& a, const Result<Config>& b) {
+  if (a.ok() != b.ok()) return false;
+  return a.ok() ? Same(*a, *b) : a.status().code() == b.status().code();
+}
+
+const std::string* Get(const Env& env, const char* name) {
+  auto it = env.find(name);
+  return it != env.end() && !it->second.empty() ? &it->second : nullptr;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  Env env;
+  while (in.remaining_bytes() > 0 && env.size() < 16) {
+    const char* name = kNames[in.ConsumeIntegralInRange<size_t>(0, std::size(kNames) - 1)];
+    env[name] = in.ConsumeRandomLengthString(32);
+  }
+  const Result<Config> c = Config::FromEnvironment(env);
+
+  Env renamed = env;
+  for (const auto& [dmlc, dsync] : kFallbacks) {
+    auto it = renamed.find(dmlc);
+    if (it == renamed.end()) continue;
+    std::string value = std::move(it->second);
+    renamed.erase(it);
+    if (!Get(renamed, dsync)) renamed[dsync] = std::move(value);
+  }
+  FUZZ_CHECK(SameOutcome(Config::FromEnvironment(renamed), c));
+
+  Env padded = env;
+  for (const char* name : kNames) padded.try_emplace(name, "");
+  FUZZ_CHECK(SameOutcome(Config::FromEnvironment(padded), c));
+
+  if (!c.ok()) {
+    FUZZ_CHECK(c.status().code() == StatusCode::kInvalidArgument);
+    return 0;
+  }
+  FUZZ_CHECK(c->link_delay_us <= 60'000'000u);
+  FUZZ_CHECK(c->gid_index >= -1 && c->gid_index <= 65535);
+  if (const std::string* sync = Get(env, "DSYNC_SYNC")) {
+    FUZZ_CHECK(c->sync == SyncMode::Parse(*sync).value());
+  }
+  if (c->Validate().ok()) {
+    const OptimizerConfig& o = c->optimizer;
+    for (float x : {o.lr, o.momentum, o.beta1, o.beta2, o.eps, o.weight_decay}) {
+      FUZZ_CHECK(std::isfinite(x));
+    }
+  }
+  return 0;
+}
