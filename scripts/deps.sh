@@ -11,6 +11,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libspdlog-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
   libopenblas-dev dataset-fashion-mnist gnuplot-nox
+  # scripts/sanitize.sh: clang, its sanitizer and libFuzzer runtimes, llvm-symbolizer
+  clang-14 libclang-rt-14-dev llvm-14
   # the RDMA transport (src/rdma)
   libibverbs-dev librdmacm-dev
   # scripts/rxe-vm.sh (RDMA tests in a soft-RoCE QEMU VM): the emulator, the VM's userland,

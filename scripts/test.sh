@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds dsyncps and runs every test (unit, multi-process, fault and bad-input tests), then the
-# RDMA tests in a soft-RoCE VM (scripts/test-rdma.sh; DSYNC_SKIP_RDMA_VM=1 skips them).
-# Installs its build dependencies first (Debian 12, idempotent).
+# RDMA tests in a soft-RoCE VM (scripts/test-rdma.sh; DSYNC_SKIP_RDMA_VM=1 skips them), then
+# the suites under sanitizers and the fuzzers (scripts/sanitize.sh; DSYNC_SKIP_SANITIZE=1
+# skips them). Installs its build dependencies first (Debian 12, idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
@@ -15,4 +16,11 @@ if [ "${DSYNC_SKIP_RDMA_VM:-0}" = 1 ]; then
   echo "test.sh: RDMA tests in the soft-RoCE VM SKIPPED (DSYNC_SKIP_RDMA_VM=1, for quick local loops; CI runs them)"
 else
   scripts/test-rdma.sh
+fi
+# The suites again under ASan+UBSan and TSan, then every fuzzer for DSYNC_FUZZ_SECONDS, each
+# stage in a build folder of its own (about 15 minutes on 2 cores).
+if [ "${DSYNC_SKIP_SANITIZE:-0}" = 1 ]; then
+  echo "test.sh: sanitizer and fuzz runs SKIPPED (DSYNC_SKIP_SANITIZE=1, for quick local loops; CI runs them)"
+else
+  scripts/sanitize.sh
 fi
