@@ -528,6 +528,34 @@ TEST(Cluster, GradientBudgetStopsEveryWorker) {
   EXPECT_EQ(cluster.scheduler().stats().gradients_committed, total);
 }
 
+// Wait() is the caller's sign that it may reuse or free the gradient, also when it returns an
+// error: a large push still on its way to the server when the scheduler's link breaks must
+// not be read after that. The transport only reads freed memory here, so this fails under the
+// sanitizers (scripts/sanitize.sh), not in a plain build: always under ThreadSanitizer
+// (nothing orders the transport's reads before Wait's return), under AddressSanitizer when
+// the writer calls sendmsg again after the free (most runs).
+TEST(Cluster, AGradientMayBeFreedOnceItsPushFailed) {
+  Config cfg = TestConfig("bsp", 1, 1);
+  cfg.slice_bytes = 1ull << 30;  // one slice: the payload goes out in one long send
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), 1);
+  ASSERT_EQ(workers.size(), 1u);
+  Worker& w = *workers[0];
+  constexpr size_t kFloats = 32u << 20;  // 128 MiB: still being sent when the error comes
+  std::vector<float> params(kFloats, 0.5f);
+  auto t = w.Register("big", params);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(w.Wait(w.Pull(*t, params.data())).ok());
+  auto grad = std::make_unique<std::vector<float>>(kFloats, 0.01f);
+  const Handle push = w.Push(*t, grad->data());
+  cluster.scheduler().Stop();  // the worker loses the scheduler: every pending operation fails
+  EXPECT_FALSE(w.Wait(push).ok());
+  grad.reset();
+  std::this_thread::sleep_for(200ms);  // the transport would go on sending it meanwhile
+  w.Abandon();
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                          ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp",
                                            "dsync:auto"),
