@@ -205,6 +205,27 @@ TEST(Handshake, MalformedHellosAreRefusedNotThrown) {
   }
 }
 
+TEST(Handshake, NumbersAFieldCannotHoldAreRefusedNotWrapped) {
+  const std::string base = R"({"role":"worker","token":"t","host":"","observer":false,)";
+  for (const char* fields : {R"("node":-1,"port":0})", R"("node":1000,"port":70000})",
+                             R"("node":1000,"port":4000.5})", R"("node":1000,"port":1e30})",
+                             R"("node":4294967296,"port":0})"}) {
+    const auto hello = DecodeHello(AsBytes(base + fields));
+    ASSERT_FALSE(hello.ok()) << fields;
+    EXPECT_EQ(hello.status().code(), StatusCode::kProtocol);
+    EXPECT_NE(hello.status().message().find("out of range"), std::string::npos)
+        << hello.status().message();
+  }
+  EXPECT_TRUE(DecodeHello(AsBytes(base + R"("node":4294967295,"port":65535})")).ok());
+  Welcome w;
+  w.credential[0] = 1;
+  std::string text = EncodeWelcome(w);
+  const auto lr = text.find("\"lr\":");
+  ASSERT_NE(lr, std::string::npos);
+  text.insert(lr + 5, "1e39,\"x\":");  // a learning rate beyond any float
+  EXPECT_FALSE(DecodeWelcome(AsBytes(text)).ok()) << text;
+}
+
 TEST(Handshake, TokensMatchOnlyWhenEqual) {
   EXPECT_TRUE(TokenMatches("", ""));
   EXPECT_TRUE(TokenMatches("abc", "abc"));

@@ -2,6 +2,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
 namespace dsync::ps {
 namespace {
 
@@ -15,22 +19,54 @@ Result<json> ParseJson(std::span<const std::byte> meta, std::string_view what) {
   return j;
 }
 
-// Reads a field of the expected type without throwing on a malformed peer message.
+// Reads a field of the expected type without throwing on a malformed peer message. A
+// number the field cannot hold (negative, too large, fractional, beyond a float) is refused,
+// never wrapped, truncated or turned into infinity.
 template <typename T>
 Status Field(const json& j, const char* key, T* out) {
   auto it = j.find(key);
   if (it == j.end()) return Error(StatusCode::kProtocol, "handshake field '{}' is missing", key);
-  try {
-    *out = it->template get<T>();
-  } catch (const json::exception&) {
-    return Error(StatusCode::kProtocol, "handshake field '{}' has the wrong type", key);
+  const json& v = *it;
+  const Status wrong = Error(StatusCode::kProtocol, "handshake field '{}' has the wrong type", key);
+  const Status range =
+      Error(StatusCode::kProtocol, "handshake field '{}' is out of range: {}", key, v.dump());
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) return wrong;
+    *out = v.get<bool>();
+  } else if constexpr (std::is_integral_v<T>) {
+    using Limits = std::numeric_limits<T>;
+    if (v.is_number_unsigned()) {
+      const uint64_t x = v.get<uint64_t>();
+      if (x > static_cast<uint64_t>(Limits::max())) return range;
+      *out = static_cast<T>(x);
+    } else if (v.is_number_integer()) {
+      const int64_t x = v.get<int64_t>();
+      if (x < static_cast<int64_t>(Limits::min()) ||
+          (x > 0 && static_cast<uint64_t>(x) > static_cast<uint64_t>(Limits::max()))) {
+        return range;
+      }
+      *out = static_cast<T>(x);
+    } else {
+      return v.is_number() ? range : wrong;  // a fraction is no count
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number()) return wrong;
+    const double x = v.get<double>();
+    if (!std::isfinite(x) || std::fabs(x) > static_cast<double>(std::numeric_limits<T>::max())) {
+      return range;
+    }
+    *out = static_cast<T>(x);
+  } else {
+    try {
+      *out = v.template get<T>();
+    } catch (const json::exception&) {
+      return wrong;
+    }
   }
   return Status::Ok();
 }
 
-}  // namespace
-
-// A hex-encoded tag field; absent is allowed where `optional`.
+// A hex-encoded tag field.
 Status TagField(const json& j, const char* key, Tag* out) {
   std::string hex;
   DSYNC_RETURN_IF_ERROR(Field(j, key, &hex));
@@ -39,6 +75,8 @@ Status TagField(const json& j, const char* key, Tag* out) {
   *out = *tag;
   return Status::Ok();
 }
+
+}  // namespace
 
 std::string EncodeHello(const Hello& h) {
   json j = {{"role", RoleName(h.role)}, {"token", h.token}, {"node", h.node},

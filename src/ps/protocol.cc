@@ -60,7 +60,11 @@ void MetaWriter::PutString(std::string_view s) {
 
 bool MetaReader::GetString(std::string* s) {
   uint32_t n = 0;
-  if (!Get(&n) || in_.size() - pos_ < n) return false;
+  const size_t start = pos_;
+  if (!Get(&n) || in_.size() - pos_ < n) {
+    pos_ = start;  // a failed read consumes nothing
+    return false;
+  }
   s->assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
   pos_ += n;
   return true;

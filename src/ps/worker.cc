@@ -176,7 +176,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     PushLocked(tensor, grad, /*detached=*/true);
     // The pull belongs to the next clock: it is gated on this clock's commit.
-    return PullLocked(tensor, out, push_clock + 1);
+    const Handle pull = PullLocked(tensor, out, push_clock + 1);
+    ops_[OpOf(pull)].holds_payload = true;
+    return pull;
   }
 
   Handle Advance() override {
@@ -358,6 +360,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     bool done = false;
     bool detached = false;  // nobody waits: free on completion
     bool sent = false;      // pulls: requests are out
+    // Wait() returns only once the transport let go of the caller's payloads: pushes, inits,
+    // and the pull of a PushPull (the one handle its caller waits on).
+    bool holds_payload = false;
     uint32_t gen = 0;
     uint32_t outstanding = 0;
     uint32_t receiving = 0; // pull payloads being written into `out` right now
@@ -430,6 +435,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     op.kind = kind;
     op.in_use = true;
     op.tensor = tensor;
+    op.holds_payload = kind == OpKind::kPush || kind == OpKind::kInit;
     return i;
   }
 
@@ -481,9 +487,10 @@ class WorkerNode final : public Worker, public TransportHandler {
       return ops_[op].gen != gen || (ops_[op].done && ops_[op].receiving == 0);
     });
     Status st = ops_[op].status;
-    if (!st.ok()) {
-      // On success the payloads left long ago (the servers acknowledged them); after a
-      // failure the transport may still be reading some: the caller frees them next.
+    if (!st.ok() || ops_[op].holds_payload) {
+      // The caller may free its buffers next. On success the payloads left long ago (the
+      // servers acknowledged them) and this hardly ever waits; after a failure the transport
+      // may still be reading some.
       ++payload_waiters_;
       cv_.wait(lock, [&] { return payload_sends_ == 0; });
       --payload_waiters_;

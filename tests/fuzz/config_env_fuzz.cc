@@ -2,7 +2,8 @@
 // not) with arbitrary values. Beyond not crashing:
 // - ps-lite's DMLC_* names are fallbacks: moving each to its DSYNC_* name (where that is not
 //   set) changes nothing;
-// - an empty variable counts as unset;
+// - an empty variable counts as unset, but for the role (an empty DSYNC_ROLE is an error:
+//   it used to make a silent worker);
 // - an accepted configuration keeps its values in range, and one that also passes
 //   Validate() holds only finite optimizer settings (they travel to every node as JSON,
 //   which has no infinities).
@@ -33,7 +34,8 @@ constexpr const char* kNames[] = {
     "DSYNC_EPS", "DSYNC_WEIGHT_DECAY", "DSYNC_SLICE_BYTES", "DSYNC_MAX_GRADIENTS",
     "DSYNC_LINK_DELAY_MS", "DSYNC_HEARTBEAT_MS", "DSYNC_HEARTBEAT_TIMEOUT_MS",
     "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
-    "DSYNC_STORE", "DSYNC_GPUDIRECT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+    "DSYNC_STORE", "DSYNC_GPUDIRECT", "DSYNC_INSECURE", "DSYNC_HANDSHAKE_TIMEOUT_MS",
+    "DSYNC_MAX_PENDING_CONNECTIONS", "DSYNC_MAX_PENDING_PER_SOURCE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
     "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "DSYNC_AUDIT_LOG", "DSYNC_DUMP_MODEL",
     "DSYNC_UNKNOWN", "HOME"};
 
@@ -57,7 +59,11 @@ bool Same(const Config& a, const Config& b) {
          a.heartbeat_timeout_ms == b.heartbeat_timeout_ms &&
          a.connect_timeout_ms == b.connect_timeout_ms && a.transport == b.transport &&
          a.rdma_device == b.rdma_device && a.gid_index == b.gid_index && a.store == b.store &&
-         a.gpudirect == b.gpudirect && a.audit_log == b.audit_log && a.dump_model == b.dump_model;
+         a.gpudirect == b.gpudirect && a.audit_log == b.audit_log &&
+         a.dump_model == b.dump_model && a.insecure == b.insecure &&
+         a.handshake_timeout_ms == b.handshake_timeout_ms &&
+         a.max_pending_connections == b.max_pending_connections &&
+         a.max_pending_per_source == b.max_pending_per_source;
 }
 
 bool SameOutcome(const Result<Config>& a, const Result<Config>& b) {
@@ -92,7 +98,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(SameOutcome(Config::FromEnvironment(renamed), c));
 
   Env padded = env;
-  for (const char* name : kNames) padded.try_emplace(name, "");
+  for (const char* name : kNames) {
+    if (std::strcmp(name, "DSYNC_ROLE") != 0 && std::strcmp(name, "DMLC_ROLE") != 0) {
+      padded.try_emplace(name, "");
+    }
+  }
   FUZZ_CHECK(SameOutcome(Config::FromEnvironment(padded), c));
 
   if (!c.ok()) {

@@ -1,5 +1,7 @@
 // ps::ValidateHeader, the first check on every frame a peer sends: a header it passes has a
 // frame's magic and version and lengths within the limits, whatever the other bytes say.
+// ps::CheckUnauthenticatedFrame, the check on a stranger's frame: what it passes is a hello
+// of at most kMaxHelloMetaBytes with no payload, and nothing else.
 // Bytes after the header are a kError frame's metadata, decoded by ps::ErrorFromFrame.
 #include <algorithm>
 #include <cstring>
@@ -26,6 +28,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(h.version == kProtocolVersion);
   FUZZ_CHECK(h.meta_len <= kMaxMetaBytes);
   FUZZ_CHECK(h.payload_len <= kMaxPayloadBytes);
+  const Status stranger = CheckUnauthenticatedFrame(h);
+  FUZZ_CHECK(stranger.ok() == (h.msg_type() == MsgType::kHello &&
+                               h.meta_len <= kMaxHelloMetaBytes && h.payload_len == 0));
+  if (!stranger.ok()) FUZZ_CHECK(stranger.code() == StatusCode::kPermissionDenied);
 
   if (h.msg_type() == MsgType::kError && size > sizeof h) {
     const auto meta = FuzzBytes(data + sizeof h, size - sizeof h);

@@ -15,7 +15,7 @@ namespace {
 
 bool Same(const Hello& a, const Hello& b) {
   return a.role == b.role && a.token == b.token && a.node == b.node && a.host == b.host &&
-         a.port == b.port && a.observer == b.observer;
+         a.port == b.port && a.observer == b.observer && a.credential == b.credential;
 }
 
 // Whether `j[key]` is the number `value`: a decoder must refuse a number its field cannot

@@ -27,12 +27,13 @@ bool Same(const Welcome& a, const Welcome& b) {
   if (a.servers.size() != b.servers.size()) return false;
   for (size_t i = 0; i < a.servers.size(); ++i) {
     const ServerAddress &x = a.servers[i], &y = b.servers[i];
-    if (x.id != y.id || x.host != y.host || x.port != y.port) return false;
+    if (x.id != y.id || x.host != y.host || x.port != y.port || x.proof != y.proof) return false;
   }
   return a.id == b.id && a.sync == b.sync && a.optimizer == b.optimizer &&
          a.slice_bytes == b.slice_bytes && a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
          a.join_round == b.join_round && a.start_clock == b.start_clock && a.gate == b.gate &&
-         a.observer == b.observer;
+         a.observer == b.observer && a.credential == b.credential && a.job_key == b.job_key &&
+         a.num_servers == b.num_servers;
 }
 
 }  // namespace
@@ -52,6 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(NumberIs(j.at("join_round"), w->join_round));
   FUZZ_CHECK(NumberIs(j.at("start_clock"), w->start_clock));
   FUZZ_CHECK(NumberIs(j.at("gate"), w->gate));
+  FUZZ_CHECK(NumberIs(j.at("num_servers"), w->num_servers));
   FUZZ_CHECK(j.at("servers").size() == w->servers.size());
   for (size_t i = 0; i < w->servers.size(); ++i) {
     FUZZ_CHECK(NumberIs(j.at("servers")[i].at("id"), w->servers[i].id));
