@@ -916,7 +916,8 @@ TEST_P(TransportTest, AStrangerMaySendOneSmallHelloAndNothingElse) {
   ps::AdmissionLimits limits;
   limits.handshake_timeout = 5s;
   Strangers s(GetParam(), host(), limits);
-  const std::vector<std::byte> payload(100, std::byte{7});
+  // Sent without waiting for completion: it must outlive the client transport.
+  static const std::vector<std::byte> payload(100, std::byte{7});
   const std::string hello(200, 'h');
   // A push as the first frame: dropped from its header, nothing delivered.
   auto peer = client_->Connect(host(), s.port(), 5000);

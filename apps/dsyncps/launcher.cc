@@ -29,6 +29,8 @@ using SteadyClock = std::chrono::steady_clock;
 constexpr int kSchedulerStartMs = 15000;  // a scheduler not listening by then never will
 // Once the scheduler has ended, the rest have this long to end by themselves.
 constexpr std::chrono::seconds kGraceAfterScheduler{2};
+// How long processes asked to stop (SIGTERM) may take before they are killed.
+constexpr std::chrono::seconds kGraceAfterStop{5};
 
 struct Child {
   std::string name;
@@ -379,6 +381,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
 
   const auto deadline = t0 + std::chrono::seconds(plan.timeout_s);
   std::optional<SteadyClock::time_point> scheduler_gone;
+  std::optional<SteadyClock::time_point> terminated;  // when the launcher sent SIGTERM to all
   // Stops the job at once for `why`, unless it is already ending.
   auto stop_job = [&](const std::string& why) {
     if (!outcome.failure.empty() || outcome.interrupted || outcome.timed_out || scheduler_gone) {
@@ -387,6 +390,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     outcome.failure = why;
     std::fprintf(stderr, "dsyncps: %s; stopping the job\n", why.c_str());
     kill_all(SIGTERM, "the job failed");
+    terminated = SteadyClock::now();
   };
   for (;;) {
     const auto now = SteadyClock::now();
@@ -424,6 +428,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
       outcome.interrupted = sig;
       std::fprintf(stderr, "dsyncps: signal %d; stopping the cluster\n", sig);
       kill_all(SIGTERM, fmt::format("the launcher got signal {}", static_cast<int>(sig)));
+      terminated = SteadyClock::now();
     }
     for (Child& c : children) {
       if (!c.started || c.exited) continue;
@@ -458,6 +463,12 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     if (scheduler_gone && SteadyClock::now() - *scheduler_gone > kGraceAfterScheduler) {
       kill_all(SIGKILL, fmt::format("still running {} s after the scheduler had ended",
                                     kGraceAfterScheduler.count()));
+    }
+    // A process that does not stop when asked (hung, stopped, its signal not handled yet)
+    // is killed after a grace period, not waited for until the job's timeout.
+    if (terminated && SteadyClock::now() - *terminated > kGraceAfterStop) {
+      kill_all(SIGKILL, fmt::format("still running {} s after it was asked to stop",
+                                    kGraceAfterStop.count()));
     }
     if (!outcome.timed_out && SteadyClock::now() > deadline) {
       outcome.timed_out = true;
