@@ -1,6 +1,7 @@
 #include "roles.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -101,6 +102,15 @@ void StopSignalWatcher::Loop() {
   const sigset_t set = StopSignals();
   pthread_sigmask(SIG_UNBLOCK, &set, nullptr);  // this thread takes them
   for (;;) {
+    // poll before read: poll is never restarted after a handler (signal(7)), so a handler
+    // that a sanitizer defers to the end of the interrupted call still gets to run; a
+    // restarted read would wait for a byte that handler has yet to write.
+    pollfd pfd{pipe_[0], POLLIN, 0};
+    if (poll(&pfd, 1, -1) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::warn("stop-signal watcher: poll failed ({})", std::strerror(errno));
+      break;
+    }
     char c = kWakeByte;
     const ssize_t n = read(pipe_[0], &c, 1);
     if (n < 0 && errno == EINTR) continue;
