@@ -127,37 +127,50 @@ void StopSignalWatcher::Loop() {
   }
 }
 
-int RunScheduler(const Config& config) {
-  std::unique_ptr<Scheduler> scheduler;  // outlives the watcher, which may call Stop
-  StopSignalWatcher signals;             // before Start: the scheduler's threads inherit its mask
-  auto started = Scheduler::Start(config);
+namespace {
+
+// Starts a role with the stop signals watched, lets `on_started` see it, runs it to the end
+// and hands it to `report` for its closing line.
+template <typename Role, typename OnStarted, typename Report>
+int RunRole(const Config& config, OnStarted on_started, Report report) {
+  std::unique_ptr<Role> role;  // outlives the watcher, which may call Stop
+  StopSignalWatcher signals;   // before Start: the role's threads inherit its mask
+  auto started = Role::Start(config);
   if (!started.ok()) return Fail(started.status());
-  scheduler = std::move(*started);
-  signals.Arm([&scheduler] { scheduler->Stop(); });
-  AnnounceReady(std::to_string(scheduler->port()));  // the launcher learns the port
-  Status st = scheduler->Run();
-  const SchedulerStats s = scheduler->stats();
-  spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, failed {}, "
-               "max staleness {}",
-               s.rounds_closed, s.gradients_committed, s.workers_joined, s.workers_left,
-               s.workers_failed, s.max_staleness);
+  role = std::move(*started);
+  signals.Arm([&role] { role->Stop(); });
+  on_started(*role);
+  const Status st = role->Run();
+  report(*role);
   return st.ok() ? 0 : Fail(st);
 }
 
+}  // namespace
+
+int RunScheduler(const Config& config) {
+  return RunRole<Scheduler>(
+      config,
+      // The launcher learns the port from this line.
+      [](Scheduler& scheduler) { AnnounceReady(std::to_string(scheduler.port())); },
+      [](Scheduler& scheduler) {
+        const SchedulerStats s = scheduler.stats();
+        spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, "
+                     "failed {}, max staleness {}",
+                     s.rounds_closed, s.gradients_committed, s.workers_joined, s.workers_left,
+                     s.workers_failed, s.max_staleness);
+      });
+}
+
 int RunServer(const Config& config) {
-  std::unique_ptr<Server> server;  // outlives the watcher, which may call Stop
-  StopSignalWatcher signals;       // before Start: the server's threads inherit its mask
-  auto started = Server::Start(config);
-  if (!started.ok()) return Fail(started.status());
-  server = std::move(*started);
-  signals.Arm([&server] { server->Stop(); });
-  Status st = server->Run();
-  const ServerStats s = server->stats();
-  spdlog::info("server {}: {} round(s), {} gradient(s), {} push(es), {} pull(s), {} refused, "
-               "{} staging buffer(s)",
-               server->id(), s.rounds_applied, s.gradients_applied, s.pushes_received,
-               s.pulls_answered, s.requests_refused, s.staging_buffers);
-  return st.ok() ? 0 : Fail(st);
+  return RunRole<Server>(
+      config, [](Server&) {},
+      [](Server& server) {
+        const ServerStats s = server.stats();
+        spdlog::info("server {}: {} round(s), {} gradient(s), {} push(es), {} pull(s), "
+                     "{} refused, {} staging buffer(s)",
+                     server.id(), s.rounds_applied, s.gradients_applied, s.pushes_received,
+                     s.pulls_answered, s.requests_refused, s.staging_buffers);
+      });
 }
 
 }  // namespace dsync::app
