@@ -68,6 +68,7 @@ TEST(ConfigEnvironment, ReadsDsyncVariables) {
                                     {"DSYNC_SLICE_BYTES", "1M"},
                                     {"DSYNC_TOKEN", "s3cret"},
                                     {"DSYNC_INTERFACE", "0.0.0.0"},
+                                    {"DSYNC_ADVERTISE", "10.0.0.9"},
                                     {"DSYNC_HEARTBEAT_TIMEOUT_MS", "9000"}});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->role, Role::kServer);
@@ -81,6 +82,7 @@ TEST(ConfigEnvironment, ReadsDsyncVariables) {
   EXPECT_EQ(c->slice_bytes, 1u << 20);
   EXPECT_EQ(c->token, "s3cret");
   EXPECT_EQ(c->bind_host, "0.0.0.0");
+  EXPECT_EQ(c->advertise_host, "10.0.0.9");
   EXPECT_EQ(c->heartbeat_timeout_ms, 9000u);
   EXPECT_TRUE(c->Validate().ok());
 }
@@ -98,6 +100,13 @@ TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
   EXPECT_EQ(c->scheduler_port, 8000);
   EXPECT_EQ(c->num_servers, 2u);
   EXPECT_EQ(c->num_workers, 6u);
+  // ps-lite's and BytePS's DMLC_INTERFACE (a NIC name) before the older DMLC_NODE_HOST.
+  auto nic = Config::FromEnvironment({{"DMLC_INTERFACE", "eth0"}, {"DMLC_NODE_HOST", "10.0.0.3"}});
+  ASSERT_TRUE(nic.ok());
+  EXPECT_EQ(nic->bind_host, "eth0");
+  auto host = Config::FromEnvironment({{"DMLC_NODE_HOST", "10.0.0.3"}});
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->bind_host, "10.0.0.3");
 }
 
 TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {

@@ -10,9 +10,14 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
       ->capture_default_str();
   app.add_option("--scheduler-port", c.scheduler_port, "scheduler port (DSYNC_SCHEDULER_PORT)")
       ->capture_default_str();
-  app.add_option("--bind", c.bind_host,
-                 "interface this node listens on (DSYNC_INTERFACE); loopback unless set")
+  app.add_option("--interface,--bind", c.bind_host,
+                 "NIC name (eth0) or address this node listens on (DSYNC_INTERFACE); "
+                 "loopback unless set, 0.0.0.0 or :: for every address")
       ->capture_default_str();
+  app.add_option("--advertise", c.advertise_host,
+                 "address a server tells its peers to reach it at (DSYNC_ADVERTISE; default: "
+                 "its --interface address, or for a wildcard the one that routes to the "
+                 "scheduler)");
   app.add_option("--port", c.port, "port this node listens on; 0 picks one (DSYNC_PORT)")
       ->capture_default_str();
   app.add_option("--token", c.token, "cluster token shared by every node (DSYNC_TOKEN)");

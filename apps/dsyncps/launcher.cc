@@ -20,6 +20,7 @@
 
 #include "launcher.h"
 #include "ps/keys.h"
+#include "ps/net_address.h"
 #include "roles.h"
 
 namespace dsync::app {
@@ -259,11 +260,20 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   Config job = given;
   EnsureJobToken(job);
   LaunchOutcome outcome;
+  // Every process gets the address, not a NIC name the others would have to look up again;
+  // for a wildcard the scheduler is reached on loopback (all of them run here).
+  auto listen = ps::ResolveListenHost(job.bind_host);
+  if (!listen.ok()) {
+    outcome.failure = listen.status().message();
+    return outcome;
+  }
+  job.bind_host = *listen;
+  const std::string scheduler_host = ps::IsWildcardHost(job.bind_host) ? "127.0.0.1" : job.bind_host;
   uint32_t initial = 0;
   for (const WorkerLaunch& w : plan.workers) initial += w.joins() ? 0 : 1;
   // The job configuration travels in the environment, as it would under any launcher.
   std::map<std::string, std::string> env = {
-      {"DSYNC_SCHEDULER_URI", job.bind_host},
+      {"DSYNC_SCHEDULER_URI", scheduler_host},
       {"DSYNC_INTERFACE", job.bind_host},
       // A job on one machine gets a fresh random token unless one is given.
       {"DSYNC_TOKEN", job.token.empty() ? ps::RandomToken() : job.token},
@@ -575,7 +585,8 @@ int RunLocal(const std::string& self, const LocalOptions& local, const Config& j
   LaunchHooks hooks;
   hooks.on_started = [&](const std::map<std::string, std::string>& env) {
     std::printf("dsyncps local: scheduler on %s:%s, %u server(s), %u worker(s), sync %s\n",
-                job.bind_host.c_str(), env.at("DSYNC_SCHEDULER_PORT").c_str(), local.servers,
+                env.at("DSYNC_SCHEDULER_URI").c_str(), env.at("DSYNC_SCHEDULER_PORT").c_str(),
+                local.servers,
                 local.workers, job.sync.ToString().c_str());
     std::fflush(stdout);
   };

@@ -202,8 +202,8 @@ int main(int argc, char** argv) {
     sub->add_option("--transport", main_config.transport,
                     "tcp | rdma (with --bind on the RDMA netdev's IP) | auto")
         ->capture_default_str();
-    sub->add_option("--bind", main_config.bind_host,
-                    "address every process listens on (rdma: the RDMA netdev's IP)")
+    sub->add_option("--interface,--bind", main_config.bind_host,
+                    "NIC name or address every process listens on (rdma: the RDMA netdev)")
         ->capture_default_str();
     sub->add_option("--gpudirect", main_config.gpudirect,
                     "servers' GPUDirect RDMA (cuda store over rdma): auto | on | off")

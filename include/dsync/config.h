@@ -75,7 +75,13 @@ struct Config {
   uint16_t scheduler_port = 9091;
   // Interface this node's listeners bind to (servers, scheduler). Loopback unless configured:
   // a parameter server accepts model writes from the network (docs/contract.md, "Trust").
+  // A NIC name (eth0, ib0) or an address (IPv4, IPv6) or a host name; a NIC's name means its
+  // address (ps/net_address.h).
   std::string bind_host = "127.0.0.1";
+  // The address a server tells the scheduler (and so the workers) to reach it at. Empty: its
+  // listen address, or for a wildcard one (0.0.0.0, ::) the address of its interface that
+  // routes to the scheduler. Set it behind NAT or in containers.
+  std::string advertise_host;
   // Port a server listens on (0: any free port, announced to the scheduler).
   uint16_t port = 0;
   // Cluster token: a peer that does not present it is refused before it can ask to join.

@@ -231,7 +231,10 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     return Error(StatusCode::kInvalidArgument, "DSYNC_PORT {} is not a port", own_port);
   }
   c.port = static_cast<uint16_t>(own_port);
-  if (const std::string* v = get({"DSYNC_INTERFACE", "DMLC_NODE_HOST"})) c.bind_host = *v;
+  if (const std::string* v = get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"})) {
+    c.bind_host = *v;
+  }
+  if (const std::string* v = get({"DSYNC_ADVERTISE"})) c.advertise_host = *v;
   if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
   if (const std::string* v = get({"DSYNC_INSECURE"})) {
     if (*v != "0" && *v != "1") {

@@ -27,6 +27,7 @@
 #include "ps/audit_log.h"
 #include "ps/auto_policy.h"
 #include "ps/backends.h"
+#include "ps/net_address.h"
 #include "ps/commit_proof.h"
 #include "ps/handshake.h"
 #include "ps/keys.h"
@@ -65,10 +66,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    cfg_.bind_host, cfg_.scheduler_port);
     }
     transport_->SetHandler(this);
-    DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(cfg_.bind_host, cfg_.scheduler_port));
+    DSYNC_ASSIGN_OR_RETURN(const std::string listen_host, ResolveListenHost(cfg_.bind_host));
+    DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(listen_host, cfg_.scheduler_port));
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
     spdlog::info("scheduler listening on {}:{} (sync {}, {} server(s), {} initial worker(s))",
-                 cfg_.bind_host, port_, rule_.mode().ToString(), cfg_.num_servers,
+                 listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(), cfg_.num_servers,
                  cfg_.num_workers);
     return Status::Ok();
   }

@@ -31,6 +31,7 @@
 #include "ps/buffer_pool.h"
 #include "ps/client_registry.h"
 #include "ps/handshake.h"
+#include "ps/net_address.h"
 #include "ps/round_rule.h"
 #include "ps/server_node.h"
 #include "ps/staging_ledger.h"
@@ -59,14 +60,17 @@ class ServerNode final : public Server, public TransportHandler {
   Status Init() {
     transport_->SetHandler(this);
     DSYNC_RETURN_IF_ERROR(SetUpDeviceMemory());
-    DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(cfg_.bind_host, cfg_.port));
+    DSYNC_ASSIGN_OR_RETURN(const std::string listen_host, ResolveListenHost(cfg_.bind_host));
+    DSYNC_ASSIGN_OR_RETURN(advertised_, AdvertisedHost(listen_host, cfg_.advertise_host,
+                                                       cfg_.scheduler_host, cfg_.scheduler_port));
+    DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(listen_host, cfg_.port));
     DSYNC_ASSIGN_OR_RETURN(scheduler_, transport_->Connect(cfg_.scheduler_host,
                                                            cfg_.scheduler_port,
                                                            cfg_.connect_timeout_ms));
     Hello hello;
     hello.role = Role::kServer;
     hello.token = cfg_.token;
-    hello.host = cfg_.bind_host;
+    hello.host = advertised_;
     hello.port = port_;
     DSYNC_RETURN_IF_ERROR(transport_->Send(scheduler_, MakeHeader(MsgType::kHello, 0),
                                            AsBytes(EncodeHello(hello)), nullptr, 0));
@@ -80,8 +84,11 @@ class ServerNode final : public Server, public TransportHandler {
     if (!result_.ok()) return result_;
     apply_thread_ = std::thread([this] { ApplyLoop(); });
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
-    spdlog::info("server {} listening on {}:{} (optimizer {}, lr {})", id_.load(),
-                 cfg_.bind_host, port_, OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
+    spdlog::info("server {} listening on {}:{}{} (optimizer {}, lr {})", id_.load(),
+                 listen_host, port_,
+                 advertised_ == listen_host ? std::string()
+                                            : fmt::format(", reached at {}:{}", advertised_, port_),
+                 OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
     return Status::Ok();
   }
 
@@ -797,6 +804,7 @@ class ServerNode final : public Server, public TransportHandler {
   uint64_t direct_min_bytes_ = 0;
   PeerId scheduler_ = kNoPeer;
   uint16_t port_ = 0;
+  std::string advertised_;  // the host the scheduler tells workers to reach this server at
   // Written when the scheduler's welcome arrives, read by every transport thread.
   std::atomic<NodeId> id_{0};
   Welcome job_;

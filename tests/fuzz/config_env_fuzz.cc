@@ -28,7 +28,8 @@ using Env = std::map<std::string, std::string>;
 // Every name FromEnvironment reads, and two it must ignore.
 constexpr const char* kNames[] = {
     "DSYNC_ROLE", "DMLC_ROLE", "DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI", "DSYNC_SCHEDULER_PORT",
-    "DMLC_PS_ROOT_PORT", "DSYNC_PORT", "DMLC_PORT", "DSYNC_INTERFACE", "DMLC_NODE_HOST",
+    "DMLC_PS_ROOT_PORT", "DSYNC_PORT", "DMLC_PORT", "DSYNC_INTERFACE", "DMLC_INTERFACE",
+    "DMLC_NODE_HOST", "DSYNC_ADVERTISE",
     "DSYNC_TOKEN", "DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER", "DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER",
     "DSYNC_SYNC", "DSYNC_OPTIMIZER", "DSYNC_LR", "DSYNC_MOMENTUM", "DSYNC_BETA1", "DSYNC_BETA2",
     "DSYNC_EPS", "DSYNC_WEIGHT_DECAY", "DSYNC_SLICE_BYTES", "DSYNC_MAX_GRADIENTS",
@@ -43,12 +44,13 @@ constexpr const char* kNames[] = {
 constexpr std::pair<const char*, const char*> kFallbacks[] = {
     {"DMLC_ROLE", "DSYNC_ROLE"},           {"DMLC_PS_ROOT_URI", "DSYNC_SCHEDULER_URI"},
     {"DMLC_PS_ROOT_PORT", "DSYNC_SCHEDULER_PORT"}, {"DMLC_PORT", "DSYNC_PORT"},
-    {"DMLC_NODE_HOST", "DSYNC_INTERFACE"}, {"DMLC_NUM_SERVER", "DSYNC_NUM_SERVERS"},
+    {"DMLC_INTERFACE", "DSYNC_INTERFACE"}, {"DMLC_NODE_HOST", "DSYNC_INTERFACE"}, {"DMLC_NUM_SERVER", "DSYNC_NUM_SERVERS"},
     {"DMLC_NUM_WORKER", "DSYNC_NUM_WORKERS"}};
 
 bool Same(const Config& a, const Config& b) {
   return a.role == b.role && a.scheduler_host == b.scheduler_host &&
-         a.scheduler_port == b.scheduler_port && a.bind_host == b.bind_host && a.port == b.port &&
+         a.scheduler_port == b.scheduler_port && a.bind_host == b.bind_host &&
+         a.advertise_host == b.advertise_host && a.port == b.port &&
          a.token == b.token && a.num_servers == b.num_servers && a.num_workers == b.num_workers &&
          a.sync == b.sync && a.optimizer.kind == b.optimizer.kind &&
          // bit for bit: NaN settings compare equal to themselves
