@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "dsync/config.h"
+#include "ps/hostlist.h"
 
 namespace dsync {
 namespace {
@@ -107,6 +108,92 @@ TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
   auto host = Config::FromEnvironment({{"DMLC_NODE_HOST", "10.0.0.3"}});
   ASSERT_TRUE(host.ok());
   EXPECT_EQ(host->bind_host, "10.0.0.3");
+}
+
+TEST(ConfigEnvironment, TaskRanksPickRolesAgainWhenTheServerCountChanges) {
+  auto c = Config::FromEnvironment({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "6"}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->role, Role::kWorker);  // one server by default: rank 2 is a worker
+  EXPECT_EQ(c->num_workers, 4u);
+  c->num_servers = 2;  // as --num-servers 2 does
+  ASSERT_TRUE(c->ApplyTaskRank().ok());
+  EXPECT_EQ(c->role, Role::kServer);
+  EXPECT_EQ(c->num_workers, 3u);
+  c->num_servers = 5;
+  auto st = c->ApplyTaskRank();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("6 tasks cannot hold a scheduler, 5 server(s) and a worker"),
+            std::string::npos)
+      << st.ToString();
+}
+
+TEST(HostList, ExpandsSlurmsCompressedForm) {
+  using dsync::ps::ExpandHostList;
+  using V = std::vector<std::string>;
+  EXPECT_EQ(*ExpandHostList("node01"), V{"node01"});
+  EXPECT_EQ(*ExpandHostList("node[01-04,07]"), (V{"node01", "node02", "node03", "node04", "node07"}));
+  EXPECT_EQ(*ExpandHostList("a[8-10],gpu3"), (V{"a8", "a9", "a10", "gpu3"}));
+  EXPECT_EQ(*ExpandHostList("n[098-101]"), (V{"n098", "n099", "n100", "n101"}));
+  EXPECT_EQ(*ExpandHostList("r[1-2]-n[1-2].x"), (V{"r1-n1.x", "r1-n2.x", "r2-n1.x", "r2-n2.x"}));
+}
+
+TEST(HostList, SaysWhereAListCannotBeParsed) {
+  using dsync::ps::ExpandHostList;
+  for (const char* bad : {"", "node[01-", "node[4-2]", "node[a]", "n[1-2],", "n1,,n2", "n[1;2]",
+                          "n o", "n[]"}) {
+    auto r = ExpandHostList(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("cannot parse the host list"), std::string::npos)
+        << r.status().ToString();
+  }
+  for (const char* many : {"n[1-999999999]", "n[0-18446744073709551]", "a[1-60000],b[1-60000]"}) {
+    auto huge = ExpandHostList(many);
+    ASSERT_FALSE(huge.ok()) << many;
+    EXPECT_NE(huge.status().message().find("names more than 65536 hosts"), std::string::npos)
+        << huge.status().ToString();
+  }
+  auto huge = ExpandHostList("n[1-999999999]");
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.status().message().find("names more than 65536 hosts"), std::string::npos)
+      << huge.status().ToString();
+}
+
+TEST(ConfigEnvironment, UnderSlurmTheSchedulerIsTheStepsFirstHost) {
+  auto c = Config::FromEnvironment({{"SLURM_JOB_NODELIST", "node[03-05],gpu1"},
+                                    {"SLURM_STEP_NODELIST", "node[04-05]"},
+                                    {"SLURM_JOB_ID", "4242"},
+                                    {"SLURM_STEP_ID", "1"},
+                                    {"SLURM_PROCID", "3"},
+                                    {"SLURM_NTASKS", "4"}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->scheduler_host, "node04");
+  EXPECT_EQ(c->scheduler_port, dsync::SlurmSchedulerPort(4242, 1));
+  EXPECT_GE(c->scheduler_port, 10000);
+  EXPECT_LT(c->scheduler_port, 30000);
+  EXPECT_NE(dsync::SlurmSchedulerPort(4242, 1), dsync::SlurmSchedulerPort(4242, 2));
+  EXPECT_EQ(c->bind_host, "0.0.0.0");  // two hosts: loopback would keep them apart
+  EXPECT_EQ(c->role, Role::kWorker);
+  // What is given wins.
+  auto given = Config::FromEnvironment({{"SLURM_JOB_NODELIST", "node[03-05]"},
+                                        {"SLURM_JOB_ID", "4242"},
+                                        {"SLURM_PROCID", "1"},
+                                        {"DSYNC_SCHEDULER_URI", "head"},
+                                        {"DSYNC_SCHEDULER_PORT", "7000"},
+                                        {"DSYNC_INTERFACE", "ib0"}});
+  ASSERT_TRUE(given.ok()) << given.status().ToString();
+  EXPECT_EQ(given->scheduler_host, "head");
+  EXPECT_EQ(given->scheduler_port, 7000);
+  EXPECT_EQ(given->bind_host, "ib0");
+  // One host: loopback stays.
+  auto one = Config::FromEnvironment({{"SLURM_JOB_NODELIST", "node07"}, {"SLURM_PROCID", "0"}});
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->scheduler_host, "127.0.0.1");
+  EXPECT_EQ(one->bind_host, "127.0.0.1");
+  auto bad = Config::FromEnvironment({{"SLURM_JOB_NODELIST", "node[1-"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().ToString().find("finding the scheduler from Slurm's node list"),
+            std::string::npos)
+      << bad.status().ToString();
 }
 
 TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {

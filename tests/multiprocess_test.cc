@@ -231,6 +231,32 @@ TEST_F(MultiProcess, RolesBootstrapFromTheEnvironmentAlone) {
   EXPECT_EQ(Completed(w0.Output(), false) + Completed(w1.Output(), false), 30u);
 }
 
+TEST_F(MultiProcess, RankModeTakesEveryFlagAndFlagsMoveTheRanksRoles) {
+  // One command line for every task, as `srun dsyncps FLAGS` gives: the rank picks the role,
+  // and --num-servers 2 (a flag, not the environment) makes rank 2 a server.
+  const std::string port = std::to_string(dsync::testing::FreeLoopbackPort());
+  std::vector<std::unique_ptr<Proc>> tasks;
+  for (int r = 0; r < 5; ++r) {
+    tasks.push_back(std::make_unique<Proc>(
+        std::vector<std::string>{DSYNC_BINARY, "--scheduler-port", port, "--num-servers", "2",
+                                 "--model", "count", "--optimizer", "sum", "--iters", "10",
+                                 "--tensor-elems", "5000", "--dump-model",
+                                 (dir_ / "dump").string()},
+        std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)},
+                                           {"SLURM_NTASKS", "5"},
+                                           {"DSYNC_SLICE_BYTES", "4096"},
+                                           {"DSYNC_TOKEN", "rank-token"}},
+        dir_ / ("rank" + std::to_string(r) + ".log")));
+  }
+  for (auto& t : tasks) EXPECT_EQ(t->Wait(60s), 0) << t->Output();
+  EXPECT_NE(tasks[0]->Output().find("2 server(s), 2 initial worker(s)"), std::string::npos)
+      << tasks[0]->Output();
+  EXPECT_TRUE(std::regex_search(tasks[2]->Output(), std::regex("server [12] listening")))
+      << tasks[2]->Output();
+  EXPECT_EQ(Completed(tasks[3]->Output(), false) + Completed(tasks[4]->Output(), false), 20u);
+  ExpectModelCount(20, 2);
+}
+
 // Processes of one job started by role, as under srun or mpirun: the scheduler on a free
 // port, the servers, then the workers (count model, sum optimizer).
 struct RoleJob {

@@ -218,6 +218,11 @@ int main(int argc, char** argv) {
   cmp->add_option("--title", main_cli.title, "plot title (default: the scenario)");
   main_cli.spec.out_dir = "dsyncps-compare";
   for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
+  // Rank mode (no subcommand: DSYNC_ROLE or the task rank decides) takes every flag a role
+  // takes, so one `srun dsyncps FLAGS` line serves every task.
+  dsync::app::AddNodeFlags(app, config, text);
+  dsync::app::AddJobFlags(app, config, text);
+  AddTrainFlags(app, train);
   dsync::app::AddJobFlags(*sched, config, text);
   dsync::app::AddJobFlags(*loc, config, text);
   AddTrainFlags(*worker, train);
@@ -264,6 +269,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  const bool subcommand = sched->parsed() || server->parsed() || worker->parsed() || loc->parsed();
+  if (!subcommand && config.task_rank) {
+    // Flags may have changed the number of servers, which moves the ranks' roles.
+    if (app.get_option("--num-workers")->count() > 0) config.task_count.reset();
+    if (dsync::Status s = config.ApplyTaskRank(); !s.ok()) return Refuse(s);
+  }
   dsync::Role role = config.role;
   if (sched->parsed()) role = dsync::Role::kScheduler;
   if (server->parsed()) role = dsync::Role::kServer;

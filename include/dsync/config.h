@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -66,6 +67,9 @@ struct OptimizerConfig {
   float weight_decay = 0.0f;
   bool operator==(const OptimizerConfig&) const = default;
 };
+
+// The scheduler port every task of Slurm job `job_id`, step `step_id` derives alike.
+uint16_t SlurmSchedulerPort(uint64_t job_id, uint64_t step_id);
 
 struct Config {
   Role role = Role::kWorker;
@@ -137,11 +141,25 @@ struct Config {
   // as JSON to this directory (server-<id>.json).
   std::string dump_model;
 
+  // Under srun or mpirun without DSYNC_ROLE: this task's rank, and the number of tasks unless
+  // DSYNC_NUM_WORKERS says how many workers there are (ApplyTaskRank).
+  std::optional<uint32_t> task_rank;
+  std::optional<uint32_t> task_count;
+  // Hosts of the Slurm step (SLURM_STEP_NODELIST or SLURM_JOB_NODELIST), 0 outside Slurm.
+  // Without DSYNC_SCHEDULER_URI the scheduler is the first of them, at SlurmSchedulerPort
+  // unless DSYNC_SCHEDULER_PORT says otherwise; a task of a step over several hosts listens
+  // on every address unless DSYNC_INTERFACE says otherwise.
+  uint32_t slurm_hosts = 0;
+
   // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults.
   // Launched by srun or mpirun without DSYNC_ROLE, the task rank picks the role: 0 the
   // scheduler, 1..num_servers servers, the rest workers (DSYNC_NUM_WORKERS defaults to them).
   static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);
   static Result<Config> FromProcessEnvironment();
+  // With a task rank: rank 0 is the scheduler, 1..num_servers servers, the rest workers; with
+  // a task count, num_workers = tasks - 1 - num_servers. Run again after flags change
+  // num_servers (rank mode takes every flag).
+  Status ApplyTaskRank();
   Status Validate() const;
 };
 

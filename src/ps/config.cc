@@ -7,6 +7,8 @@
 
 extern char** environ;  // NOLINT: POSIX
 
+#include "ps/hostlist.h"
+
 namespace dsync {
 namespace {
 
@@ -225,6 +227,25 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     return Error(StatusCode::kInvalidArgument, "DSYNC_SCHEDULER_PORT {} is not a port", port);
   }
   c.scheduler_port = static_cast<uint16_t>(port);
+  // Under Slurm, with no scheduler address given, the scheduler is rank 0, which srun places
+  // on the step's first host; every task derives the same port from the job and step ids.
+  if (const std::string* list = get({"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"});
+      list && !get({"DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI"})) {
+    auto hosts = ps::ExpandHostList(*list);
+    if (!hosts.ok()) return hosts.status().WithContext("finding the scheduler from Slurm's node list");
+    // A step on one host keeps everything on loopback (its name may resolve elsewhere).
+    c.scheduler_host = hosts->size() == 1 ? "127.0.0.1" : hosts->front();
+    c.slurm_hosts = static_cast<uint32_t>(hosts->size());
+    const std::string* job = get({"SLURM_JOB_ID", "SLURM_JOBID"});
+    if (job && !get({"DSYNC_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"})) {
+      DSYNC_ASSIGN_OR_RETURN(uint64_t id, ParseUnsigned("SLURM_JOB_ID", *job, UINT64_MAX));
+      uint64_t step = 0;
+      if (const std::string* s = get({"SLURM_STEP_ID", "SLURM_STEPID"})) {
+        DSYNC_ASSIGN_OR_RETURN(step, ParseUnsigned("SLURM_STEP_ID", *s, UINT64_MAX));
+      }
+      c.scheduler_port = SlurmSchedulerPort(id, step);
+    }
+  }
   uint32_t own_port = 0;
   DSYNC_RETURN_IF_ERROR(u32({"DSYNC_PORT", "DMLC_PORT"}, &own_port));
   if (own_port > 65535) {
@@ -284,27 +305,49 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
   }
   if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
   if (const std::string* v = get({"DSYNC_GPUDIRECT"})) c.gpudirect = *v;
-  // Under srun or mpirun every task gets a rank: with no explicit role, rank 0 is the
-  // scheduler, the next num_servers ranks are servers and the rest workers.
+  // Under srun or mpirun every task gets a rank: with no explicit role it picks one.
   const std::string* rank = get({"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
   const std::string* size = get({"SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
   if (rank && !get({"DSYNC_ROLE", "DMLC_ROLE"})) {
     DSYNC_ASSIGN_OR_RETURN(uint64_t r, ParseUnsigned("task rank", *rank, UINT32_MAX));
-    c.role = r == 0 ? Role::kScheduler : r <= c.num_servers ? Role::kServer : Role::kWorker;
+    c.task_rank = static_cast<uint32_t>(r);
     if (size && !get({"DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER"})) {
       DSYNC_ASSIGN_OR_RETURN(uint64_t n, ParseUnsigned("task count", *size, UINT32_MAX));
-      if (n < 2 + uint64_t{c.num_servers}) {
-        return Error(StatusCode::kInvalidArgument,
-                     "{} tasks cannot hold a scheduler, {} server(s) and a worker; launch at "
-                     "least {} tasks or set DSYNC_NUM_SERVERS",
-                     n, c.num_servers, 2 + c.num_servers);
-      }
-      c.num_workers = static_cast<uint32_t>(n - 1 - c.num_servers);
+      c.task_count = static_cast<uint32_t>(n);
+    }
+    DSYNC_RETURN_IF_ERROR(c.ApplyTaskRank());
+    // A job over several hosts: the default loopback would keep the others out.
+    if (c.slurm_hosts > 1 && !get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"})) {
+      c.bind_host = "0.0.0.0";
     }
   }
   if (const std::string* v = get({"DSYNC_AUDIT_LOG"})) c.audit_log = *v;
   if (const std::string* v = get({"DSYNC_DUMP_MODEL"})) c.dump_model = *v;
   return c;
+}
+
+uint16_t SlurmSchedulerPort(uint64_t job_id, uint64_t step_id) {
+  // Below Linux's ephemeral range (32768-60999), away from the well-known ports; the step
+  // spreads the steps of one job over different ports.
+  constexpr uint64_t kBase = 10000, kSpan = 20000;
+  return static_cast<uint16_t>(kBase + (job_id * 7 + step_id) % kSpan);
+}
+
+Status Config::ApplyTaskRank() {
+  if (!task_rank) return Status::Ok();
+  const uint32_t r = *task_rank;
+  role = r == 0 ? Role::kScheduler : r <= num_servers ? Role::kServer : Role::kWorker;
+  if (task_count) {
+    const uint64_t n = *task_count;
+    if (n < 2 + uint64_t{num_servers}) {
+      return Error(StatusCode::kInvalidArgument,
+                   "{} tasks cannot hold a scheduler, {} server(s) and a worker; launch at "
+                   "least {} tasks or set DSYNC_NUM_SERVERS",
+                   n, num_servers, 2 + uint64_t{num_servers});
+    }
+    num_workers = static_cast<uint32_t>(n - 1 - num_servers);
+  }
+  return Status::Ok();
 }
 
 Result<Config> Config::FromProcessEnvironment() {

@@ -37,7 +37,8 @@ constexpr const char* kNames[] = {
     "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
     "DSYNC_STORE", "DSYNC_GPUDIRECT", "DSYNC_INSECURE", "DSYNC_HANDSHAKE_TIMEOUT_MS",
     "DSYNC_MAX_PENDING_CONNECTIONS", "DSYNC_MAX_PENDING_PER_SOURCE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-    "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "DSYNC_AUDIT_LOG", "DSYNC_DUMP_MODEL",
+    "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+    "SLURM_JOB_ID", "SLURM_STEP_ID", "DSYNC_AUDIT_LOG", "DSYNC_DUMP_MODEL",
     "DSYNC_UNKNOWN", "HOME"};
 
 // ps-lite's names and the DSYNC_* names they stand in for.
@@ -65,7 +66,8 @@ bool Same(const Config& a, const Config& b) {
          a.dump_model == b.dump_model && a.insecure == b.insecure &&
          a.handshake_timeout_ms == b.handshake_timeout_ms &&
          a.max_pending_connections == b.max_pending_connections &&
-         a.max_pending_per_source == b.max_pending_per_source;
+         a.max_pending_per_source == b.max_pending_per_source && a.task_rank == b.task_rank &&
+         a.task_count == b.task_count && a.slurm_hosts == b.slurm_hosts;
 }
 
 bool SameOutcome(const Result<Config>& a, const Result<Config>& b) {
