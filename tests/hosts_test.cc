@@ -101,6 +101,28 @@ TEST(LocalJob, TakesANicNameAndRefusesAnUnknownOneBeforeStartingAnything) {
   fs::remove_all(dir);
 }
 
+TEST(Rendezvous, AFileThatNeverAppearsOrIsNotOursIsNamed) {
+  const fs::path dir = fs::temp_directory_path() / ("dsync-rdv-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const std::string missing = (dir / "never").string();
+  Proc w({DSYNC_BINARY, "worker", "--rendezvous", missing, "--connect-timeout-ms", "600"},
+         {{"DSYNC_TOKEN", "t"}}, dir / "w.log");
+  int status = w.Wait(30s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << "\n" << w.Output();
+  EXPECT_NE(w.Output().find("the rendezvous file " + missing + " did not appear within 600 ms"),
+            std::string::npos)
+      << w.Output();
+  const fs::path other = dir / "other";
+  std::ofstream(other) << "hello world\n";
+  Proc s({DSYNC_BINARY, "server", "--rendezvous", other.string()}, {{"DSYNC_TOKEN", "t"}},
+         dir / "s.log");
+  status = s.Wait(30s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << "\n" << s.Output();
+  EXPECT_NE(s.Output().find("does not hold a scheduler's address"), std::string::npos)
+      << s.Output();
+  fs::remove_all(dir);
+}
+
 // --- separate hosts ---------------------------------------------------------------------
 
 constexpr const char* kIp = "/usr/sbin/ip";
@@ -296,6 +318,40 @@ TEST_F(SeparateHosts, AServerBehindAnAdvertisedAddress) {
   EXPECT_NE(sched.Output().find("registered at " + hosts.Address(1)), std::string::npos)
       << sched.Output();
   ExpectModelCount(10, 1);
+}
+
+TEST_F(SeparateHosts, NodesFindTheSchedulerThroughARendezvousFile) {
+  // As under mpirun or Kubernetes: no addresses given, one file every host can read. The
+  // scheduler listens on every address and writes the address of its NIC.
+  Hosts hosts(4);
+  SKIP_WITHOUT_HOSTS(hosts);
+  auto env = JobEnv(hosts, 1, 2);
+  env.erase("DSYNC_SCHEDULER_URI");
+  env.erase("DSYNC_SCHEDULER_PORT");
+  const std::string file = (dir_ / "scheduler.addr").string();
+  env["DSYNC_RENDEZVOUS"] = file;
+  const std::string bin = DSYNC_BINARY;
+  // The workers and the server start first and wait for the file.
+  Proc server(hosts.On(1, {bin, "server", "--interface", "dsync0"}), env, dir_ / "server.log");
+  std::vector<std::unique_ptr<Proc>> workers;
+  for (int i = 2; i <= 3; ++i) {
+    workers.push_back(std::make_unique<Proc>(
+        hosts.On(i, {bin, "worker", "--model", "count", "--iters", "10"}), env,
+        dir_ / ("worker" + std::to_string(i) + ".log")));
+  }
+  std::this_thread::sleep_for(2500ms);  // past the one second after which they say so
+  Proc sched(hosts.On(0, {bin, "scheduler", "--interface", "0.0.0.0", "--scheduler-port", "0"}),
+             env, dir_ / "s.log");
+  for (auto& w : workers) EXPECT_EQ(w->Wait(60s), 0) << w->Output();
+  EXPECT_EQ(sched.Wait(30s), 0) << sched.Output();
+  EXPECT_EQ(server.Wait(30s), 0) << server.Output();
+  EXPECT_NE(sched.Output().find("wrote " + hosts.Address(0) + ":"), std::string::npos)
+      << sched.Output();
+  EXPECT_NE(workers[0]->Output().find("waiting for the scheduler's address in " + file),
+            std::string::npos)
+      << workers[0]->Output();
+  EXPECT_FALSE(fs::exists(file)) << "the scheduler removes its file when it ends";
+  ExpectModelCount(20, 1);
 }
 
 TEST_F(SeparateHosts, AWorkerWhoseLinkGoesDownIsReportedAndNothingCommittedIsLost) {

@@ -18,6 +18,9 @@ void AddNodeFlags(CLI::App& app, Config& c, FlagText& text) {
                  "address a server tells its peers to reach it at (DSYNC_ADVERTISE; default: "
                  "its --interface address, or for a wildcard the one that routes to the "
                  "scheduler)");
+  app.add_option("--rendezvous", c.rendezvous,
+                 "a file every node can read: the scheduler writes its address there, the "
+                 "others wait for it (DSYNC_RENDEZVOUS; instead of --scheduler-uri/-port)");
   app.add_option("--port", c.port, "port this node listens on; 0 picks one (DSYNC_PORT)")
       ->capture_default_str();
   app.add_option("--token", c.token, "cluster token shared by every node (DSYNC_TOKEN)");

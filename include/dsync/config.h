@@ -86,6 +86,9 @@ struct Config {
   // listen address, or for a wildcard one (0.0.0.0, ::) the address of its interface that
   // routes to the scheduler. Set it behind NAT or in containers.
   std::string advertise_host;
+  // A file on a file system every node shares (--rendezvous, DSYNC_RENDEZVOUS): the scheduler
+  // writes its address there; the others read the scheduler's host and port from it.
+  std::string rendezvous;
   // Port a server listens on (0: any free port, announced to the scheduler).
   uint16_t port = 0;
   // Cluster token: a peer that does not present it is refused before it can ask to join.

@@ -256,6 +256,7 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     c.bind_host = *v;
   }
   if (const std::string* v = get({"DSYNC_ADVERTISE"})) c.advertise_host = *v;
+  if (const std::string* v = get({"DSYNC_RENDEZVOUS"})) c.rendezvous = *v;
   if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
   if (const std::string* v = get({"DSYNC_INSECURE"})) {
     if (*v != "0" && *v != "1") {

@@ -21,7 +21,8 @@ bool IsWildcardHost(const std::string& host);
 
 // The host a node tells its peers to connect to: `advertise` (--advertise, DSYNC_ADVERTISE)
 // when set; for a wildcard `listen_host`, the address of this host's interface that routes
-// to the scheduler at `toward_host`:`toward_port`; else `listen_host` itself.
+// to the scheduler at `toward_host`:`toward_port` (with no `toward_host`: the first address
+// of a NIC that is up and not loopback); else `listen_host` itself.
 Result<std::string> AdvertisedHost(const std::string& listen_host, const std::string& advertise,
                                    const std::string& toward_host, uint16_t toward_port);
 

@@ -28,6 +28,7 @@
 #include "ps/auto_policy.h"
 #include "ps/backends.h"
 #include "ps/net_address.h"
+#include "ps/rendezvous.h"
 #include "ps/commit_proof.h"
 #include "ps/handshake.h"
 #include "ps/keys.h"
@@ -53,6 +54,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
   ~SchedulerNode() override {
+    if (!rendezvous_host_.empty()) RemoveRendezvous(cfg_.rendezvous, rendezvous_host_, port_);
     Stop();
     if (monitor_.joinable()) monitor_.join();
     transport_->Shutdown();
@@ -68,6 +70,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     transport_->SetHandler(this);
     DSYNC_ASSIGN_OR_RETURN(const std::string listen_host, ResolveListenHost(cfg_.bind_host));
     DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(listen_host, cfg_.scheduler_port));
+    if (!cfg_.rendezvous.empty()) {
+      DSYNC_ASSIGN_OR_RETURN(rendezvous_host_,
+                             AdvertisedHost(listen_host, cfg_.advertise_host, "", 0));
+      DSYNC_RETURN_IF_ERROR(WriteRendezvous(cfg_.rendezvous, rendezvous_host_, port_));
+      spdlog::info("scheduler: wrote {}:{} to the rendezvous file {}", rendezvous_host_, port_,
+                   cfg_.rendezvous);
+    }
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
     spdlog::info("scheduler listening on {}:{} (sync {}, {} server(s), {} initial worker(s))",
                  listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(), cfg_.num_servers,
@@ -697,6 +706,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::unique_ptr<Transport> transport_;
   const JobKey job_key_;  // credentials and receipts; shared with the servers only
   uint16_t port_ = 0;
+  std::string rendezvous_host_;  // what this scheduler wrote to the rendezvous file
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

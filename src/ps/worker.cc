@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "ps/rendezvous.h"
 #include "ps/backends.h"
 #include "ps/handshake.h"
 #include "ps/slicing.h"
@@ -867,8 +868,9 @@ class WorkerNode final : public Worker, public TransportHandler {
 }  // namespace
 }  // namespace ps
 
-Result<std::unique_ptr<Worker>> Worker::Start(const Config& config) {
-  DSYNC_RETURN_IF_ERROR(config.Validate());
+Result<std::unique_ptr<Worker>> Worker::Start(const Config& given) {
+  DSYNC_RETURN_IF_ERROR(given.Validate());
+  DSYNC_ASSIGN_OR_RETURN(const Config config, ps::FindScheduler(given));
   DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
   auto node = std::make_unique<ps::WorkerNode>(config, std::move(transport));
   DSYNC_RETURN_IF_ERROR(node->Init());

@@ -42,6 +42,7 @@ struct Nic {
   std::vector<std::string> ipv4;
   std::vector<std::string> ipv6;  // global ones only
   bool up = false;
+  bool loopback = false;
 };
 
 // Every NIC by name, in name order (for messages that list them).
@@ -56,6 +57,7 @@ Result<std::map<std::string, Nic>> Nics() {
   for (const ifaddrs* a = list; a; a = a->ifa_next) {
     Nic& nic = nics[a->ifa_name];
     nic.up = nic.up || (a->ifa_flags & IFF_UP);
+    nic.loopback = nic.loopback || (a->ifa_flags & IFF_LOOPBACK);
     if (!a->ifa_addr) continue;
     if (a->ifa_addr->sa_family == AF_INET) nic.ipv4.push_back(AddressText(a->ifa_addr));
     if (a->ifa_addr->sa_family == AF_INET6 && !IsLinkLocal(a->ifa_addr)) {
@@ -138,6 +140,20 @@ Result<std::string> AdvertisedHost(const std::string& listen_host, const std::st
     return a;
   }
   if (!IsWildcardHost(listen_host)) return Unbracketed(listen_host);
+  if (toward_host.empty()) {
+    // Nobody to route to (the scheduler itself): the first address of a NIC that is up and
+    // not loopback, IPv4 first; a host with none has only loopback to offer.
+    DSYNC_ASSIGN_OR_RETURN(auto nics, Nics());
+    for (const bool v4 : {true, false}) {
+      for (const auto& [name, nic] : nics) {
+        (void)name;
+        const auto& list = v4 ? nic.ipv4 : nic.ipv6;
+        if (!nic.up || nic.loopback || list.empty()) continue;
+        return list.front();
+      }
+    }
+    return std::string("127.0.0.1");
+  }
   const std::string hint = fmt::format(
       "this node listens on every address ({}); set --advertise (DSYNC_ADVERTISE) to the "
       "address its peers reach it at, or --interface to one NIC",
