@@ -145,25 +145,9 @@ class Monitor {
     double loss;
   };
 
-  // Worker::Start in attempts of at most kAttempt, so that Stop() (a job that failed before
-  // the observer got in) waits for one attempt, not for the whole connect timeout.
-  Result<std::unique_ptr<Worker>> Connect(Config cfg) {
-    static constexpr uint32_t kAttempt = 2 * 1000;  // > the scheduler's pending-notice period
-    const auto deadline = SteadyClock::now() + std::chrono::milliseconds(cfg.connect_timeout_ms);
-    cfg.connect_timeout_ms = std::min(cfg.connect_timeout_ms, kAttempt);
-    for (;;) {
-      auto started = Worker::Start(cfg);
-      if (started.ok() || stop_ || SteadyClock::now() >= deadline ||
-          started.status().code() != StatusCode::kUnavailable) {
-        return started;
-      }
-    }
-  }
-
   void Loop(const Config& cfg) {
-    auto started = Connect(cfg);
+    auto started = Worker::Start(cfg);
     if (!started.ok()) {
-      if (stop_) return;  // the job ended first: nothing to report
       std::lock_guard lock(mu_);
       error_ = started.status().ToString();
       return;

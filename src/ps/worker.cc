@@ -50,30 +50,37 @@ class WorkerNode final : public Worker, public TransportHandler {
     DSYNC_ASSIGN_OR_RETURN(PeerId sched, transport_->Connect(cfg_.scheduler_host,
                                                              cfg_.scheduler_port,
                                                              cfg_.connect_timeout_ms));
-    scheduler_ = sched;
+    {
+      // The transport's threads read what Init writes (under mu_) as soon as frames arrive.
+      std::lock_guard lock(mu_);
+      scheduler_ = sched;
+    }
     Hello hello;
     hello.role = Role::kWorker;
     hello.token = cfg_.token;
     hello.observer = cfg_.observer;
     DSYNC_ASSIGN_OR_RETURN(std::string welcome_meta, Handshake(sched, hello, "the scheduler"));
     DSYNC_ASSIGN_OR_RETURN(Welcome w, DecodeWelcome(AsBytes(welcome_meta)));
-    job_.worker_id = w.id;
-    job_.sync = w.sync;
-    job_.optimizer = w.optimizer;
-    job_.slice_bytes = w.slice_bytes;
-    job_.num_servers = static_cast<uint32_t>(w.servers.size());
-    job_.join_round = w.join_round;
-    job_.start_clock = w.start_clock;
-    job_.observer = w.observer;
     if (cfg_.observer != w.observer) {
       return Error(StatusCode::kProtocol, "the scheduler admitted this node as {}",
                    w.observer ? "an observer" : "a worker");
     }
     if (w.servers.empty()) return Error(StatusCode::kProtocol, "the job has no servers");
-    planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
-    clock_ = w.start_clock;
-    gate_clock_ = w.start_clock;
-    gate_ = w.gate;
+    {
+      std::lock_guard lock(mu_);
+      job_.worker_id = w.id;
+      job_.sync = w.sync;
+      job_.optimizer = w.optimizer;
+      job_.slice_bytes = w.slice_bytes;
+      job_.num_servers = static_cast<uint32_t>(w.servers.size());
+      job_.join_round = w.join_round;
+      job_.start_clock = w.start_clock;
+      job_.observer = w.observer;
+      planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
+      clock_ = w.start_clock;
+      gate_clock_ = w.start_clock;
+      gate_ = w.gate;
+    }
     hello.node = w.id;
     hello.credential = w.credential;
     for (const ServerAddress& s : w.servers) {
