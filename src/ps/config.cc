@@ -252,9 +252,8 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     return Error(StatusCode::kInvalidArgument, "DSYNC_PORT {} is not a port", own_port);
   }
   c.port = static_cast<uint16_t>(own_port);
-  if (const std::string* v = get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"})) {
-    c.bind_host = *v;
-  }
+  const std::string* interface = get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"});
+  if (interface) c.bind_host = *interface;
   if (const std::string* v = get({"DSYNC_ADVERTISE"})) c.advertise_host = *v;
   if (const std::string* v = get({"DSYNC_RENDEZVOUS"})) c.rendezvous = *v;
   if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
@@ -318,7 +317,7 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     }
     DSYNC_RETURN_IF_ERROR(c.ApplyTaskRank());
     // A job over several hosts: the default loopback would keep the others out.
-    if (c.slurm_hosts > 1 && !get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"})) {
+    if (c.slurm_hosts > 1 && !interface) {
       c.bind_host = "0.0.0.0";
     }
   }
