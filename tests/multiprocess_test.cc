@@ -556,6 +556,35 @@ TEST_F(MultiProcess, SigtermStopsTheSchedulerAndAServerCleanly) {
   }
 }
 
+TEST_F(MultiProcess, AJobThatCannotFormEndsWithWhatItWaitedFor) {
+  // Two servers expected, one started: nothing may wait forever. The scheduler gives up once
+  // no node arrived for the connect timeout, and the worker it held hears why.
+  const std::string port = std::to_string(dsync::testing::FreeLoopbackPort());
+  const std::map<std::string, std::string> env = {{"DSYNC_TOKEN", "t"},
+                                                  {"DSYNC_SCHEDULER_PORT", port}};
+  const auto start = std::chrono::steady_clock::now();
+  Proc sched({DSYNC_BINARY, "scheduler", "--num-servers", "2", "--num-workers", "1",
+              "--connect-timeout-ms", "1500"},
+             env, dir_ / "scheduler.log");
+  ASSERT_TRUE(sched.WaitForOutput("scheduler listening on", 20s)) << sched.Output();
+  Proc server({DSYNC_BINARY, "server"}, env, dir_ / "server.log");
+  Proc worker({DSYNC_BINARY, "worker", "--model", "count", "--iters", "5"}, env,
+              dir_ / "worker.log");
+  const int status = sched.Wait(60s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status << sched.Output();
+  const std::string why = "waiting for 1 more server(s) to register (1 of 2)";
+  EXPECT_NE(sched.Output().find("the job did not start: " + why), std::string::npos)
+      << sched.Output();
+  EXPECT_NE(sched.Output().find("no node arrived for 1500 ms"), std::string::npos)
+      << sched.Output();
+  const int wstatus = worker.Wait(30s);
+  EXPECT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) != 0) << wstatus << worker.Output();
+  EXPECT_NE(worker.Output().find(why), std::string::npos) << worker.Output();
+  const int sstatus = server.Wait(30s);
+  EXPECT_TRUE(WIFEXITED(sstatus) && WEXITSTATUS(sstatus) != 0) << sstatus << server.Output();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 45s);
+}
+
 // --- The main job: dsyncps train / compare ---------------------------------------------
 
 TEST_F(MultiProcess, TrainRunsTheMainJobThroughJoinLeaveKillAndLatency) {

@@ -2,6 +2,7 @@
 // (PR_SET_PDEATHSIG), and every wait on it is bounded.
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -17,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/exec_image.h"
+
 namespace dsync::testing {
 
 // A child process with its output in a file.
@@ -25,21 +28,19 @@ class Proc {
   Proc(const std::vector<std::string>& args, const std::map<std::string, std::string>& env,
        const std::filesystem::path& log)
       : log_(log) {
+    // Everything the child needs is made before fork (see runtime/exec_image.h).
+    const runtime::ExecImage image(args.at(0), {args.begin() + 1, args.end()}, env);
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      FILE* f = std::fopen(log.c_str(), "w");
-      if (f) {
-        dup2(fileno(f), STDOUT_FILENO);
-        dup2(fileno(f), STDERR_FILENO);
+      if (fd >= 0) {
+        dup2(fd, STDOUT_FILENO);  // the copies do not close on exec
+        dup2(fd, STDERR_FILENO);
       }
-      for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-      std::vector<char*> argv;
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
+      image.ExecOrExit();
     }
+    if (fd >= 0) close(fd);
   }
   ~Proc() {
     if (pid_ > 0 && !done_) {

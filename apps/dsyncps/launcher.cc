@@ -22,6 +22,7 @@
 #include "ps/keys.h"
 #include "ps/net_address.h"
 #include "roles.h"
+#include "runtime/exec_image.h"
 
 namespace dsync::app {
 namespace {
@@ -65,6 +66,7 @@ void OnSignal(int sig) {
 // and stderr go to a pipe returned in *out. `ready_fd` (or -1) is passed on as fd 3.
 pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
             const std::map<std::string, std::string>& env, int ready_fd, int* out) {
+  const runtime::ExecImage image(self, args, env);  // before fork: see exec_image.h
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) return -1;
   const pid_t parent = getpid();
@@ -83,16 +85,9 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
       if (ready_fd != 3) dup2(ready_fd, 3);  // dup2 clears close-on-exec on the copy
       fcntl(3, F_SETFD, 0);
     }
-    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(self.c_str()));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
     signal(SIGINT, SIG_DFL);
     signal(SIGTERM, SIG_DFL);
-    execv(self.c_str(), argv.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", self.c_str(), std::strerror(errno));
-    _exit(127);
+    image.ExecOrExit();
   }
   close(p[1]);
   *out = p[0];

@@ -196,7 +196,7 @@ bool TokenMatches(const std::string& expected, const std::string& presented) {
 }
 
 Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& error,
-                 const FrameHeader& about, bool close_after) {
+                 const FrameHeader& about, bool close_after, SendDone then) {
   FrameHeader h = MakeHeader(MsgType::kError, self);
   h.status = static_cast<uint16_t>(error.code());
   h.request = about.request;
@@ -205,7 +205,6 @@ Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& e
   h.set_refused(about.msg_type());
   const std::string& text = error.message();
   const size_t n = std::min<size_t>(text.size(), kMaxMetaBytes);
-  SendDone then;
   if (close_after) {
     then = [t = &transport, peer](const Status&) { t->Close(peer); };
   }

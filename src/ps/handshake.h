@@ -68,9 +68,10 @@ inline uint32_t ServerRank(NodeId server) { return server - kFirstServerId; }
 
 // Sends a kError frame answering `about` (request, tensor and slice echoed). With
 // `close_after`, the connection is dropped once the frame has left: closing at once would
-// discard it from the send queue and leave the peer guessing why it was cut off.
+// discard it from the send queue and leave the peer guessing why it was cut off. Without
+// `close_after`, `then` (if any) runs once the frame has left or failed.
 Status SendError(Transport& transport, PeerId peer, NodeId self, const Status& error,
-                 const FrameHeader& about, bool close_after = false);
+                 const FrameHeader& about, bool close_after = false, SendDone then = {});
 // Sends a frame without payload or metadata.
 Status SendControl(Transport& transport, PeerId peer, const FrameHeader& header);
 

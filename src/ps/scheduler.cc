@@ -77,6 +77,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       spdlog::info("scheduler: wrote {}:{} to the rendezvous file {}", rendezvous_host_, port_,
                    cfg_.rendezvous);
     }
+    last_arrival_ = SteadyClock::now();
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
     spdlog::info("scheduler listening on {}:{} (sync {}, {} server(s), {} initial worker(s))",
                  listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(), cfg_.num_servers,
@@ -91,6 +92,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     cv_.wait(lock, [&] { return finished_ || stop_; });
     if (finished_ && result_.ok()) {
       // Let the last acknowledgements and the shutdown frames leave first.
+      cv_.wait_for(lock, std::chrono::seconds(5), [&] { return final_frames_in_flight_ == 0; });
+    }
+    if (finished_ && !result_.ok()) {
+      // The nodes still waiting to be admitted are told why (TellFailure).
       cv_.wait_for(lock, std::chrono::seconds(5), [&] { return final_frames_in_flight_ == 0; });
     }
     Status result = stop_ && !finished_ ? Status::Ok() : result_;
@@ -251,6 +256,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = h.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
+      last_arrival_ = SteadyClock::now();
       spdlog::info("scheduler: server {} registered at {}:{} ({}/{})", id, hello->host,
                    hello->port, servers_.size(), cfg_.num_servers);
       return;
@@ -264,6 +270,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     const WorkerId id = next_worker_id_++;
+    last_arrival_ = SteadyClock::now();
     peers_[peer] = {PeerKind::kWorker, id};
     waiting_.emplace_back(id, peer);
     waiting_requests_[id] = h.request;
@@ -297,13 +304,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // heartbeat interval: a scheduler that answers is not mistaken for a dead port.
   void TellWaiting() {
     if (waiting_.empty() && waiting_observers_.empty()) return;
-    std::string why =
-        !ServersReady()
-            ? fmt::format("waiting for {} more server(s) to register ({} of {})",
-                          cfg_.num_servers - servers_.size(), servers_.size(), cfg_.num_servers)
-            : fmt::format("waiting for {} more of the job's {} initial worker(s)",
-                          cfg_.num_workers - std::min<size_t>(cfg_.num_workers, waiting_.size()),
-                          cfg_.num_workers);
+    const std::string why = WaitingFor();
     FrameHeader h = MakeHeader(MsgType::kPending, kSchedulerId);
     for (const auto& [id, peer] : waiting_) {
       (void)transport_->Send(peer, h, AsBytes(why), nullptr, 0);
@@ -311,6 +312,18 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     for (const WaitingObserver& o : waiting_observers_) {
       (void)transport_->Send(o.peer, h, AsBytes(why), nullptr, 0);
     }
+  }
+
+  // What the job's start waits for.
+  std::string WaitingFor() const {
+    if (servers_.size() < cfg_.num_servers) {
+      return fmt::format("waiting for {} more server(s) to register ({} of {})",
+                         cfg_.num_servers - servers_.size(), servers_.size(), cfg_.num_servers);
+    }
+    if (!ServersReady()) return "waiting for the servers to take their slices";
+    return fmt::format("waiting for {} more of the job's {} initial worker(s)",
+                       cfg_.num_workers - std::min<size_t>(cfg_.num_workers, waiting_.size()),
+                       cfg_.num_workers);
   }
 
   // Workers are admitted once every server is up; the first num_workers together, so that
@@ -487,6 +500,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         for (ServerEntry& s : servers_) {
           if (s.id == id) s.ready = true;
         }
+        last_arrival_ = SteadyClock::now();
         AdmitWaiting();
         return;
       case MsgType::kApplied:
@@ -639,10 +653,32 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   void Finish(Status result) {
     if (finished_) return;
-    if (!result.ok()) spdlog::error("scheduler: {}", result.message());
+    if (!result.ok()) {
+      spdlog::error("scheduler: {}", result.message());
+      TellFailure(result);
+    }
     finished_ = true;
     result_ = std::move(result);
     cv_.notify_all();
+  }
+
+  // The nodes waiting for their welcome get the job's failure as the answer to their hello
+  // (the others see the connection end; their own timeouts and heartbeats cover them).
+  void TellFailure(const Status& why) {
+    auto tell = [&](PeerId peer, uint64_t request) {
+      FrameHeader about = MakeHeader(MsgType::kHello, kSchedulerId);
+      about.request = request;
+      ++final_frames_in_flight_;
+      const Status st = SendError(*transport_, peer, kSchedulerId, why, about,
+                                  /*close_after=*/false, [this](const Status&) {
+                                    std::lock_guard lock(mu_);
+                                    --final_frames_in_flight_;
+                                    cv_.notify_all();
+                                  });
+      if (!st.ok()) --final_frames_in_flight_;
+    };
+    for (const auto& [id, peer] : waiting_) tell(peer, waiting_requests_[id]);
+    for (const WaitingObserver& o : waiting_observers_) tell(o.peer, o.request);
   }
 
   // Judges silence: workers past the timeout are declared dead, a server past it stops the
@@ -694,6 +730,16 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
             break;
           }
         }
+        const auto quiet = std::chrono::milliseconds(cfg_.connect_timeout_ms);
+        if (!started_ && !finished_ && now - last_arrival_ > quiet) {
+          // A node that never comes (a host that failed to start it, a wrong address or
+          // token) would otherwise hold the scheduler and every node that did come forever.
+          Finish(Error(StatusCode::kDeadlineExceeded,
+                       "the job did not start: {}, and no node arrived for {} ms "
+                       "(DSYNC_CONNECT_TIMEOUT_MS); start the missing nodes with this "
+                       "scheduler's address and the job's token, or lower --num-servers/--num-workers",
+                       WaitingFor(), cfg_.connect_timeout_ms));
+        }
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
     }
@@ -730,6 +776,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   bool observers_told_ = false;         // training is over; they read the final model
   static constexpr std::chrono::seconds kObserverGrace{30};
   SteadyClock::time_point observers_deadline_;
+  SteadyClock::time_point last_arrival_;  // of the last node while the job forms
   bool budget_spent_ = false;
   bool started_ = false;
   bool finished_ = false;
