@@ -88,6 +88,66 @@ TEST(ConfigEnvironment, ReadsDsyncVariables) {
   EXPECT_TRUE(c->Validate().ok());
 }
 
+TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
+  Config c;
+  c.scheduler_host = "10.1.2.3";
+  c.scheduler_port = 12345;
+  c.bind_host = "eth7";
+  c.rendezvous = "/shared/job.addr";
+  c.token = "s3cret";
+  c.num_servers = 3;
+  c.num_workers = 7;
+  c.sync = SyncMode::Dsync(2, 5);
+  c.optimizer = {OptimizerKind::kAdam, 0.1f / 3.0f, 0.5f, 0.8f, 0.95f, 1e-7f, 1e-4f};
+  c.slice_bytes = 123456;
+  c.max_gradients = 999;
+  c.heartbeat_interval_ms = 250;
+  c.heartbeat_timeout_ms = 1500;
+  c.connect_timeout_ms = 4000;
+  c.handshake_timeout_ms = 700;
+  c.max_pending_connections = 9;
+  c.max_pending_per_source = 3;
+  c.store = "auto";
+  c.gpudirect = "off";
+  c.gid_index = 3;
+  c.rdma_device = "rxe0";
+  // A node's own settings stay behind.
+  c.role = Role::kServer;
+  c.port = 4444;
+  c.advertise_host = "1.2.3.4";
+  c.link_delay_us = 5000;
+  const auto env = c.ToEnvironment();
+  EXPECT_FALSE(env.contains("DSYNC_ROLE"));
+  EXPECT_FALSE(env.contains("DSYNC_PORT"));
+  EXPECT_FALSE(env.contains("DSYNC_ADVERTISE"));
+  EXPECT_FALSE(env.contains("DSYNC_LINK_DELAY_MS"));
+  const Config back = Config::FromEnvironment(env).value();
+  EXPECT_EQ(back.scheduler_host, c.scheduler_host);
+  EXPECT_EQ(back.scheduler_port, c.scheduler_port);
+  EXPECT_EQ(back.bind_host, c.bind_host);
+  EXPECT_EQ(back.rendezvous, c.rendezvous);
+  EXPECT_EQ(back.token, c.token);
+  EXPECT_EQ(back.num_servers, 3u);
+  EXPECT_EQ(back.num_workers, 7u);
+  EXPECT_EQ(back.sync, c.sync);
+  EXPECT_EQ(back.optimizer, c.optimizer);  // floats bit for bit
+  EXPECT_EQ(back.slice_bytes, c.slice_bytes);
+  EXPECT_EQ(back.max_gradients, 999u);
+  EXPECT_EQ(back.heartbeat_interval_ms, 250u);
+  EXPECT_EQ(back.heartbeat_timeout_ms, 1500u);
+  EXPECT_EQ(back.connect_timeout_ms, 4000u);
+  EXPECT_EQ(back.handshake_timeout_ms, 700u);
+  EXPECT_EQ(back.max_pending_connections, 9u);
+  EXPECT_EQ(back.max_pending_per_source, 3u);
+  EXPECT_EQ(back.store, "auto");
+  EXPECT_EQ(back.gpudirect, "off");
+  EXPECT_EQ(back.gid_index, 3);
+  EXPECT_EQ(back.rdma_device, "rxe0");
+  EXPECT_EQ(back.role, Role::kWorker);
+  EXPECT_EQ(back.port, 0);
+  EXPECT_EQ(back.link_delay_us, 0u);
+}
+
 TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
   auto c = Config::FromEnvironment({{"DMLC_ROLE", "worker"},
                                     {"DMLC_PS_ROOT_URI", "host-a"},

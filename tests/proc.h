@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "runtime/exec_image.h"
 
 namespace dsync::testing {
@@ -92,5 +94,16 @@ class Proc {
   bool done_ = false;
   std::filesystem::path log_;
 };
+
+// A fresh folder for the running test's files: /tmp/PREFIX-PID-TESTNAME. Kept after a
+// failure (its logs), removed otherwise by the fixture.
+inline std::filesystem::path FreshTestDir(const std::string& prefix) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    (prefix + "-" + std::to_string(getpid()) + "-" + info->name());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
 
 }  // namespace dsync::testing

@@ -36,6 +36,7 @@ constexpr std::chrono::seconds kGraceAfterStop{5};
 
 struct Child {
   std::string name;
+  std::string program;     // what runs: this program, or a worker's own command
   bool is_worker = false;
   int index = -1;          // workers: their index in the plan
   bool on_demand = false;  // started by LaunchHooks::start_worker
@@ -174,7 +175,7 @@ std::string Describe(int status) {
 
 // Starts a worker with a ready pipe as fd 3 (DSYNC_READY_FD): it writes a line there once it
 // has joined the job, which tells a worker that failed before joining from one that died in it.
-void SpawnWorker(const std::string& self, Child& c) {
+void SpawnWorker(Child& c) {
   int ready[2];
   if (pipe2(ready, O_CLOEXEC) != 0) {
     c.pid = -1;
@@ -182,7 +183,7 @@ void SpawnWorker(const std::string& self, Child& c) {
   }
   auto env = c.env;
   env["DSYNC_READY_FD"] = "3";
-  c.pid = Spawn(self, c.argv, env, ready[1], &c.out);
+  c.pid = Spawn(c.program, c.argv, env, ready[1], &c.out);
   close(ready[1]);
   c.ready = ready[0];
 }
@@ -267,32 +268,12 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   uint32_t initial = 0;
   for (const WorkerLaunch& w : plan.workers) initial += w.joins() ? 0 : 1;
   // The job configuration travels in the environment, as it would under any launcher.
-  std::map<std::string, std::string> env = {
-      {"DSYNC_SCHEDULER_URI", scheduler_host},
-      {"DSYNC_INTERFACE", job.bind_host},
-      // A job on one machine gets a fresh random token unless one is given.
-      {"DSYNC_TOKEN", job.token.empty() ? ps::RandomToken() : job.token},
-      {"DSYNC_NUM_SERVERS", std::to_string(plan.servers)},
-      {"DSYNC_NUM_WORKERS", std::to_string(initial)},
-      {"DSYNC_SYNC", job.sync.ToString()},
-      {"DSYNC_OPTIMIZER", std::string(OptimizerName(job.optimizer.kind))},
-      {"DSYNC_LR", fmt::format("{}", job.optimizer.lr)},
-      {"DSYNC_MOMENTUM", fmt::format("{}", job.optimizer.momentum)},
-      {"DSYNC_BETA1", fmt::format("{}", job.optimizer.beta1)},
-      {"DSYNC_BETA2", fmt::format("{}", job.optimizer.beta2)},
-      {"DSYNC_EPS", fmt::format("{}", job.optimizer.eps)},
-      {"DSYNC_WEIGHT_DECAY", fmt::format("{}", job.optimizer.weight_decay)},
-      {"DSYNC_SLICE_BYTES", std::to_string(job.slice_bytes)},
-      {"DSYNC_HEARTBEAT_MS", std::to_string(job.heartbeat_interval_ms)},
-      {"DSYNC_HEARTBEAT_TIMEOUT_MS", std::to_string(job.heartbeat_timeout_ms)},
-      {"DSYNC_CONNECT_TIMEOUT_MS", std::to_string(job.connect_timeout_ms)},
-      {"DSYNC_TRANSPORT", job.transport},
-      {"DSYNC_STORE", job.store},
-      {"DSYNC_GPUDIRECT", job.gpudirect},
-      {"DSYNC_PORT", "0"},
-  };
-  if (!job.rdma_device.empty()) env["DSYNC_RDMA_DEVICE"] = job.rdma_device;
-  if (job.gid_index >= 0) env["DSYNC_GID_INDEX"] = std::to_string(job.gid_index);
+  Config common = job;
+  common.scheduler_host = scheduler_host;
+  common.num_servers = plan.servers;
+  common.num_workers = initial;
+  std::map<std::string, std::string> env = common.ToEnvironment();
+  env["DSYNC_PORT"] = "0";
 
   if (pipe(g_signal_pipe) != 0) return outcome;
   signal(SIGINT, OnSignal);
@@ -375,16 +356,30 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     c.name = fmt::format("worker {}", i);
     c.is_worker = true;
     c.index = static_cast<int>(i);
-    c.argv = {"worker"};
-    c.argv.insert(c.argv.end(), w.args.begin(), w.args.end());
     c.env = env;
+    if (w.command.empty()) {
+      c.program = self;
+      c.argv = {"worker"};
+      c.argv.insert(c.argv.end(), w.args.begin(), w.args.end());
+    } else {
+      c.program = w.command.front();
+      c.argv.assign(w.command.begin() + 1, w.command.end());
+      c.env["DSYNC_ROLE"] = "worker";
+      c.env["DSYNC_WORKER_RANK"] = std::to_string(i);
+    }
     for (const auto& [k, v] : w.env) c.env[k] = v;
     c.start_at = t0 + std::chrono::milliseconds(w.start_after_ms);
     c.on_demand = w.on_demand;
     children.push_back(std::move(c));
   }
 
-  const auto deadline = t0 + std::chrono::seconds(plan.timeout_s);
+  const auto deadline = plan.timeout_s == 0 ? SteadyClock::time_point::max()
+                                            : t0 + std::chrono::seconds(plan.timeout_s);
+  // Once every worker has ended the scheduler ends the job within a heartbeat timeout; one
+  // still running well after that is stopped, not waited for.
+  const auto grace_after_workers =
+      std::chrono::milliseconds(job.heartbeat_timeout_ms) + std::chrono::seconds(10);
+  std::optional<SteadyClock::time_point> workers_gone;
   std::optional<SteadyClock::time_point> scheduler_gone;
   std::optional<SteadyClock::time_point> terminated;  // when the launcher sent SIGTERM to all
   // Stops the job at once for `why`, unless it is already ending.
@@ -403,7 +398,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
       if (c.started || c.exited || now < c.start_at || scheduler_gone) continue;
       if (c.on_demand && !(hooks.start_worker && hooks.start_worker(c.index))) continue;
       if (c.is_worker) {
-        SpawnWorker(self, c);
+        SpawnWorker(c);
       } else {
         c.pid = Spawn(self, c.argv, c.env, -1, &c.out);
       }
@@ -460,6 +455,15 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
       }
     }
     if (hooks.on_tick) hooks.on_tick();
+    bool workers_done = !plan.workers.empty();
+    for (const Child& c : children) workers_done = workers_done && (!c.is_worker || c.exited);
+    if (workers_done && !workers_gone) workers_gone = SteadyClock::now();
+    if (workers_gone && !scheduler_gone &&
+        SteadyClock::now() - *workers_gone > grace_after_workers) {
+      stop_job(fmt::format("the scheduler was still running {} s after the last worker ended",
+                           std::chrono::duration_cast<std::chrono::seconds>(grace_after_workers)
+                               .count()));
+    }
     bool all_done = true;
     for (const Child& c : children) all_done = all_done && (c.exited || !c.started);
     if (all_done && (scheduler_gone || outcome.interrupted)) break;

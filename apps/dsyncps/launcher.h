@@ -18,6 +18,9 @@
 namespace dsync::app {
 
 struct WorkerLaunch {
+  // The user's program (its path first, found in PATH beforehand) and its arguments, run with
+  // DSYNC_ROLE=worker and DSYNC_WORKER_RANK; empty: this program's `worker` subcommand.
+  std::vector<std::string> command;
   std::vector<std::string> args;           // after "worker"
   std::map<std::string, std::string> env;  // extra environment (e.g. DSYNC_LINK_DELAY_MS)
   uint32_t start_after_ms = 0;             // > 0: joins the running job this late
@@ -28,7 +31,7 @@ struct WorkerLaunch {
 struct LaunchPlan {
   uint32_t servers = 2;
   std::vector<WorkerLaunch> workers;
-  uint32_t timeout_s = 600;
+  uint32_t timeout_s = 600;  // 0: none
   std::map<std::string, std::string> scheduler_env;  // e.g. DSYNC_MAX_GRADIENTS
 };
 

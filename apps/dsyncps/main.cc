@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include "flags.h"
+#include "launch.h"
 #include "launcher.h"
 #include "roles.h"
 #include "fashion_mnist.h"
@@ -236,10 +237,59 @@ int main(int argc, char** argv) {
   loc->add_option("--worker-flags", local.worker_extra,
                   "WORKER=FLAGS: extra flags for one worker, e.g. '3=--slow 3'");
 
+  // The user's own program as the workers. Everything from the program's name on is its
+  // own (prefix_command): `launch --workers 2 python3 train.py --lr 0.1` and the same with
+  // `--` before the program both work.
+  dsync::app::LaunchOptions launch;
+  launch.servers = config.num_servers;
+  launch.workers = config.num_workers;
+  auto* lch = app.add_subcommand(
+      "launch",
+      "run your own program as the job's workers: on this machine the scheduler, --servers "
+      "servers and --workers copies of CMD; under srun or mpirun rank 0 is the scheduler, the "
+      "next --servers ranks servers and the rest run CMD. Usage: launch [FLAGS] -- CMD ARGS");
+  auto* jn = app.add_subcommand(
+      "join", "run your own program as one more worker of a running job (the scheduler's "
+              "address and the token from flags or DSYNC_*). Usage: join [FLAGS] -- CMD ARGS");
+  for (CLI::App* sub : {lch, jn}) {
+    dsync::app::AddNodeFlags(*sub, config, text);
+    sub->prefix_command();
+  }
+  dsync::app::AddJobFlags(*lch, config, text, /*cluster_size=*/false);
+  lch->add_option("--servers", launch.servers, "servers (DSYNC_NUM_SERVERS)")->capture_default_str();
+  lch->add_option("--workers", launch.workers,
+                  "copies of CMD on this machine (DSYNC_NUM_WORKERS); under srun/mpirun every "
+                  "rank after the servers")
+      ->capture_default_str();
+  lch->add_option("--timeout", launch.timeout_s,
+                  "on this machine: stop the job after this many seconds (0: never)")
+      ->capture_default_str();
+
   // "dsyncps: error:" like every other refusal, so a launcher relaying it shows the reason.
   app.failure_message([](const CLI::App* a, const CLI::Error& e) {
     return "dsyncps: error: " + CLI::FailureMessage::simple(a, e);
   });
+  // `launch`/`join`: the program after `--` is the user's, never parsed here (CLI11 would
+  // hand it back to the top level).
+  std::vector<std::string> command_after_dashes;
+  bool dashes = false;
+  {
+    int cut = argc;
+    bool launcher_command = false;
+    for (int i = 1; i < argc; ++i) {
+      const std::string_view a = argv[i];
+      if (a == "--") {
+        cut = i;
+        break;
+      }
+      launcher_command = launcher_command || a == "launch" || a == "join";
+    }
+    if (launcher_command && cut < argc) {
+      dashes = true;
+      command_after_dashes.assign(argv + cut + 1, argv + argc);
+      argc = cut;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -267,6 +317,29 @@ int main(int argc, char** argv) {
   if (dsync::Status s = dsync::app::ApplyFlagText(text, config); !s.ok()) {
     std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
     return 2;
+  }
+
+  // The program: after `--`, or from its name on (prefix_command); not both.
+  auto command_of = [&](CLI::App* sub) -> dsync::Result<std::vector<std::string>> {
+    std::vector<std::string> rest = sub->remaining();
+    if (!dashes) return rest;
+    if (!rest.empty()) {
+      return dsync::Error(dsync::StatusCode::kInvalidArgument,
+                          "'{}' before --: give {} its flags, then -- and your program",
+                          rest.front(), sub->get_name());
+    }
+    return command_after_dashes;
+  };
+  if (lch->parsed() || jn->parsed()) {
+    auto command = command_of(lch->parsed() ? lch : jn);
+    if (!command.ok()) return Refuse(command.status());
+    if (jn->parsed()) return dsync::app::RunJoinCommand(config, *command);
+    launch.command = std::move(*command);
+    launch.workers_given = lch->get_option("--workers")->count() > 0;
+    // On one machine a fresh token; the ranks of srun/mpirun need one they share (DSYNC_TOKEN
+    // exported to every task), which Validate asks for.
+    if (!config.task_rank) dsync::app::EnsureJobToken(config);
+    return dsync::app::RunLaunchCommand(SelfPath(argv[0]), launch, config);
   }
 
   const bool subcommand = sched->parsed() || server->parsed() || worker->parsed() || loc->parsed();

@@ -14,6 +14,7 @@
 
 #include "dsync/scheduler.h"
 #include "dsync/server.h"
+#include "ps/launcher_pipe.h"
 
 namespace dsync::app {
 namespace {
@@ -42,15 +43,6 @@ sigset_t StopSignals() {
 }
 
 }  // namespace
-
-void AnnounceReady(std::string_view line) {
-  const char* fd_text = std::getenv("DSYNC_READY_FD");
-  if (!fd_text) return;
-  const int fd = std::atoi(fd_text);
-  const std::string text = fmt::format("{}\n", line);
-  (void)!write(fd, text.data(), text.size());
-  close(fd);
-}
 
 // A handler rather than sigwait alone: OpenBLAS starts threads before main with nothing
 // blocked, so the kernel may hand the signal to one of them. The handler only writes to a
@@ -151,7 +143,7 @@ int RunScheduler(const Config& config) {
   return RunRole<Scheduler>(
       config,
       // The launcher learns the port from this line.
-      [](Scheduler& scheduler) { AnnounceReady(std::to_string(scheduler.port())); },
+      [](Scheduler& scheduler) { ps::TellLauncher(std::to_string(scheduler.port())); },
       [](Scheduler& scheduler) {
         const SchedulerStats s = scheduler.stats();
         spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, "

@@ -45,11 +45,6 @@ class StopSignalWatcher {
   std::thread thread_;
 };
 
-// Tells a launcher that this process is up, with one line on the pipe it passed in
-// DSYNC_READY_FD (nothing without one): the scheduler its port once it listens, a worker its
-// id once it has joined the job. A worker that ends without it failed before joining.
-void AnnounceReady(std::string_view line);
-
 int RunScheduler(const Config& config);
 int RunServer(const Config& config);
 

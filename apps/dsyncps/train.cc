@@ -343,8 +343,7 @@ int RunWorker(const Config& config, const TrainOptions& t) {
   }
   auto worker = Worker::Start(config);
   if (!worker.ok()) return Fail(worker.status());
-  Worker& w = **worker;
-  AnnounceReady(std::to_string(w.job().worker_id));
+  Worker& w = **worker;  // Start told the launcher, if any, that it joined
   const int rc = t.model == "mlp"      ? TrainFashionMnist(w, t, config.num_workers, data)
                  : t.model == "linreg" ? TrainLinear(w, t)
                                        : TrainCount(w, t);

@@ -163,6 +163,11 @@ struct Config {
   // a task count, num_workers = tasks - 1 - num_servers. Run again after flags change
   // num_servers (rank mode takes every flag).
   Status ApplyTaskRank();
+  // The DSYNC_* variables that give another process of the job these settings, for launchers
+  // (FromEnvironment reads them back to equal values). Left out, being one node's own: the
+  // role, the task rank, the listen port, --advertise, the link delay, the audit log and the
+  // model dump.
+  std::map<std::string, std::string> ToEnvironment() const;
   Status Validate() const;
 };
 

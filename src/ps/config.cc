@@ -365,6 +365,42 @@ Result<Config> Config::FromProcessEnvironment() {
   return FromEnvironment(env);
 }
 
+std::map<std::string, std::string> Config::ToEnvironment() const {
+  auto num = [](auto v) { return fmt::format("{}", v); };  // floats: shortest exact form
+  std::map<std::string, std::string> env = {
+      {"DSYNC_SCHEDULER_URI", scheduler_host},
+      {"DSYNC_SCHEDULER_PORT", num(scheduler_port)},
+      {"DSYNC_INTERFACE", bind_host},
+      {"DSYNC_NUM_SERVERS", num(num_servers)},
+      {"DSYNC_NUM_WORKERS", num(num_workers)},
+      {"DSYNC_SYNC", sync.ToString()},
+      {"DSYNC_OPTIMIZER", std::string(OptimizerName(optimizer.kind))},
+      {"DSYNC_LR", num(optimizer.lr)},
+      {"DSYNC_MOMENTUM", num(optimizer.momentum)},
+      {"DSYNC_BETA1", num(optimizer.beta1)},
+      {"DSYNC_BETA2", num(optimizer.beta2)},
+      {"DSYNC_EPS", num(optimizer.eps)},
+      {"DSYNC_WEIGHT_DECAY", num(optimizer.weight_decay)},
+      {"DSYNC_SLICE_BYTES", num(slice_bytes)},
+      {"DSYNC_MAX_GRADIENTS", num(max_gradients)},
+      {"DSYNC_HEARTBEAT_MS", num(heartbeat_interval_ms)},
+      {"DSYNC_HEARTBEAT_TIMEOUT_MS", num(heartbeat_timeout_ms)},
+      {"DSYNC_CONNECT_TIMEOUT_MS", num(connect_timeout_ms)},
+      {"DSYNC_HANDSHAKE_TIMEOUT_MS", num(handshake_timeout_ms)},
+      {"DSYNC_MAX_PENDING_CONNECTIONS", num(max_pending_connections)},
+      {"DSYNC_MAX_PENDING_PER_SOURCE", num(max_pending_per_source)},
+      {"DSYNC_TRANSPORT", transport},
+      {"DSYNC_STORE", store},
+      {"DSYNC_GPUDIRECT", gpudirect},
+      {"DSYNC_INSECURE", insecure ? "1" : "0"},
+  };
+  if (!token.empty()) env["DSYNC_TOKEN"] = token;
+  if (!rendezvous.empty()) env["DSYNC_RENDEZVOUS"] = rendezvous;
+  if (!rdma_device.empty()) env["DSYNC_RDMA_DEVICE"] = rdma_device;
+  if (gid_index >= 0) env["DSYNC_GID_INDEX"] = num(gid_index);
+  return env;
+}
+
 Status Config::Validate() const {
   if (num_servers == 0) {
     return Error(StatusCode::kInvalidArgument, "the job needs at least one server (num_servers)");

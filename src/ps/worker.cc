@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "ps/launcher_pipe.h"
 #include "ps/rendezvous.h"
 #include "ps/backends.h"
 #include "ps/handshake.h"
@@ -881,6 +882,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(const Config& given) {
   DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
   auto node = std::make_unique<ps::WorkerNode>(config, std::move(transport));
   DSYNC_RETURN_IF_ERROR(node->Init());
+  if (!config.observer) ps::TellLauncher(std::to_string(node->job().worker_id));
   return std::unique_ptr<Worker>(std::move(node));
 }
 

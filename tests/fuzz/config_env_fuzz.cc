@@ -6,7 +6,8 @@
 //   it used to make a silent worker);
 // - an accepted configuration keeps its values in range, and one that also passes
 //   Validate() holds only finite optimizer settings (they travel to every node as JSON,
-//   which has no infinities).
+//   which has no infinities);
+// - what ToEnvironment writes for a launcher's children reads back to the same job settings.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -36,7 +37,8 @@ constexpr const char* kNames[] = {
     "DSYNC_LINK_DELAY_MS", "DSYNC_HEARTBEAT_MS", "DSYNC_HEARTBEAT_TIMEOUT_MS",
     "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
     "DSYNC_STORE", "DSYNC_GPUDIRECT", "DSYNC_INSECURE", "DSYNC_HANDSHAKE_TIMEOUT_MS",
-    "DSYNC_MAX_PENDING_CONNECTIONS", "DSYNC_MAX_PENDING_PER_SOURCE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+    "DSYNC_MAX_PENDING_CONNECTIONS", "DSYNC_MAX_PENDING_PER_SOURCE", "DSYNC_RENDEZVOUS",
+    "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
     "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
     "SLURM_JOB_ID", "SLURM_STEP_ID", "DSYNC_AUDIT_LOG", "DSYNC_DUMP_MODEL",
     "DSYNC_UNKNOWN", "HOME"};
@@ -68,6 +70,29 @@ bool Same(const Config& a, const Config& b) {
          a.max_pending_connections == b.max_pending_connections &&
          a.max_pending_per_source == b.max_pending_per_source && a.task_rank == b.task_rank &&
          a.task_count == b.task_count && a.slurm_hosts == b.slurm_hosts;
+}
+
+bool SameFloat(float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }
+
+// The settings ToEnvironment carries.
+bool SameJob(const Config& a, const Config& b) {
+  const OptimizerConfig &x = a.optimizer, &y = b.optimizer;
+  return a.scheduler_host == b.scheduler_host && a.scheduler_port == b.scheduler_port &&
+         a.bind_host == b.bind_host && a.rendezvous == b.rendezvous && a.token == b.token &&
+         a.insecure == b.insecure && a.num_servers == b.num_servers &&
+         a.num_workers == b.num_workers && a.sync == b.sync && x.kind == y.kind &&
+         SameFloat(x.lr, y.lr) && SameFloat(x.momentum, y.momentum) &&
+         SameFloat(x.beta1, y.beta1) && SameFloat(x.beta2, y.beta2) && SameFloat(x.eps, y.eps) &&
+         SameFloat(x.weight_decay, y.weight_decay) && a.slice_bytes == b.slice_bytes &&
+         a.max_gradients == b.max_gradients &&
+         a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
+         a.heartbeat_timeout_ms == b.heartbeat_timeout_ms &&
+         a.connect_timeout_ms == b.connect_timeout_ms &&
+         a.handshake_timeout_ms == b.handshake_timeout_ms &&
+         a.max_pending_connections == b.max_pending_connections &&
+         a.max_pending_per_source == b.max_pending_per_source && a.transport == b.transport &&
+         a.rdma_device == b.rdma_device && a.gid_index == b.gid_index && a.store == b.store &&
+         a.gpudirect == b.gpudirect;
 }
 
 bool SameOutcome(const Result<Config>& a, const Result<Config>& b) {
@@ -113,6 +138,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(c.status().code() == StatusCode::kInvalidArgument);
     return 0;
   }
+  const Result<Config> back = Config::FromEnvironment(c->ToEnvironment());
+  FUZZ_CHECK(back.ok() && SameJob(*back, *c));
   FUZZ_CHECK(c->link_delay_us <= 60'000'000u);
   FUZZ_CHECK(c->gid_index >= -1 && c->gid_index <= 65535);
   if (const std::string* sync = Get(env, "DSYNC_SYNC")) {

@@ -1,0 +1,183 @@
+// `dsyncps launch` and `dsyncps join`: the user's own program (examples/cpp/linear_worker)
+// as the job's workers, on one machine, as a joiner, and by rank under mpirun (emulated by
+// the rank variables, then the real mpirun when Open MPI is installed).
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "proc.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dsync::testing::Proc;
+using namespace std::chrono_literals;
+
+class Launch : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = dsync::testing::FreshTestDir("dsync-launch"); }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // Runs `dsyncps ARGS`; returns its output after checking its exit code.
+  std::string Run(std::vector<std::string> args, int expect_exit,
+                  const std::map<std::string, std::string>& env = {}) {
+    args.insert(args.begin(), DSYNC_BINARY);
+    Proc p(args, env, dir_ / ("run-" + std::to_string(runs_++) + ".log"));
+    const int status = p.Wait(120s);
+    const std::string out = p.Output();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == expect_exit)
+        << "status " << status << "\n" << out;
+    return out;
+  }
+
+  // Every "linear_worker rank R (worker ID): loss A -> B" line: rank -> {A, B}.
+  static std::map<int, std::pair<double, double>> Losses(const std::string& out) {
+    std::map<int, std::pair<double, double>> found;
+    const std::regex re(R"(linear_worker rank (\d+) \(worker \d+\): loss (\S+) -> (\S+) after)");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator();
+         ++it) {
+      found[std::stoi((*it)[1])] = {std::stod((*it)[2]), std::stod((*it)[3])};
+    }
+    return found;
+  }
+
+  fs::path dir_;
+  int runs_ = 0;
+};
+
+TEST_F(Launch, RunsTheUsersProgramAsTheJobsWorkers) {
+  const std::string out =
+      Run({"launch", "--workers", "3", "--servers", "2", "--sync", "dsync:2", "--audit-log",
+           (dir_ / "audit.jsonl").string(), "--", DSYNC_EXAMPLE_WORKER, "150"},
+          0);
+  const auto losses = Losses(out);
+  ASSERT_EQ(losses.size(), 3u) << out;  // ranks 0, 1, 2: DSYNC_WORKER_RANK
+  for (const auto& [rank, loss] : losses) {
+    EXPECT_LT(loss.second, loss.first / 50) << "rank " << rank << " did not learn\n" << out;
+  }
+  // Every gradient of every worker reached the model, and the job ended by itself.
+  EXPECT_NE(out.find("450 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("dsyncps launch: job finished"), std::string::npos) << out;
+  std::ifstream audit(dir_ / "audit.jsonl");
+  EXPECT_TRUE(audit.good()) << "the job's flags reach the scheduler";
+  // The program's name without `--` works too.
+  const std::string plain = Run({"launch", "--workers", "1", DSYNC_EXAMPLE_WORKER, "5"}, 0);
+  EXPECT_EQ(Losses(plain).size(), 1u) << plain;
+}
+
+TEST_F(Launch, TheJobsExitCodeIsTheWorkers) {
+  // A program that ends before joining: nothing can start; its code is the job's, at once.
+  const auto start = std::chrono::steady_clock::now();
+  const std::string early = Run({"launch", "--workers", "2", "--", "sh", "-c", "exit 3"}, 3);
+  EXPECT_TRUE(std::regex_search(
+      early, std::regex(R"(worker [01] failed before joining the job \(exit code 3\))")))
+      << early;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << "not left to a timeout";
+  // One that fails after it trained: the job goes on without it, and says so in the code.
+  const std::string late =
+      Run({"launch", "--workers", "2", "--", "sh", "-c",
+           std::string(DSYNC_EXAMPLE_WORKER) + " 20 && exit 4"},
+          4);
+  EXPECT_EQ(Losses(late).size(), 2u) << late;
+  EXPECT_NE(late.find("exit code 4"), std::string::npos) << late;
+  // A program that is not there: said before anything starts.
+  const std::string missing = Run({"launch", "--", "no-such-trainer", "--lr", "3"}, 2);
+  EXPECT_NE(missing.find("the worker program 'no-such-trainer' is not in PATH"),
+            std::string::npos)
+      << missing;
+  EXPECT_EQ(missing.find("[scheduler]"), std::string::npos) << missing;
+  const std::string mixed = Run({"launch", "sh", "--", "x"}, 2);
+  EXPECT_NE(mixed.find("'sh' before --"), std::string::npos) << mixed;
+}
+
+TEST_F(Launch, JoinAddsTheUsersProgramToARunningJob) {
+  const std::map<std::string, std::string> env = {{"DSYNC_TOKEN", "join-token"}};
+  Proc job({DSYNC_BINARY, "launch", "--workers", "2", "--servers", "2", "--sync", "dsync:2", "--",
+            DSYNC_EXAMPLE_WORKER, "200", "15"},
+           env, dir_ / "launch.log");
+  ASSERT_TRUE(job.WaitForOutput("joined (sync", 60s)) << job.Output();
+  std::smatch m;
+  const std::string head = job.Output();
+  ASSERT_TRUE(std::regex_search(head, m, std::regex(R"(scheduler on 127\.0\.0\.1:(\d+))")));
+  const std::string joiner =
+      Run({"join", "--scheduler-port", m[1].str(), "--", DSYNC_EXAMPLE_WORKER, "30"}, 0, env);
+  EXPECT_EQ(Losses(joiner).size(), 1u) << joiner;
+  EXPECT_EQ(job.Wait(120s), 0) << job.Output();
+  EXPECT_NE(job.Output().find("workers joined 3, left 3, failed 0"), std::string::npos)
+      << job.Output();
+  // A joiner without the token is refused by the launcher's checks, naming it.
+  const std::string refused =
+      Run({"join", "--", DSYNC_EXAMPLE_WORKER, "1"}, 2, {{"DSYNC_TOKEN", ""}});
+  EXPECT_NE(refused.find("no cluster token"), std::string::npos) << refused;
+}
+
+// What mpirun gives every task: its rank and the task count; a shared rendezvous file.
+std::map<std::string, std::string> RankEnv(const fs::path& rendezvous, int rank, int size) {
+  return {{"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
+          {"OMPI_COMM_WORLD_SIZE", std::to_string(size)},
+          {"DSYNC_RENDEZVOUS", rendezvous.string()},
+          {"DSYNC_TOKEN", "rank-token"}};
+}
+
+TEST_F(Launch, ByRankTheFirstTasksRunTheRolesAndTheRestTheProgram) {
+  constexpr int kTasks = 5;  // scheduler, 2 servers, 2 workers
+  std::vector<std::unique_ptr<Proc>> tasks;
+  for (int r = 0; r < kTasks; ++r) {
+    tasks.push_back(std::make_unique<Proc>(
+        std::vector<std::string>{DSYNC_BINARY, "launch", "--servers", "2", "--sync", "dsync:1",
+                                 "--", DSYNC_EXAMPLE_WORKER, "40"},
+        RankEnv(dir_ / "scheduler.addr", r, kTasks), dir_ / ("task-" + std::to_string(r) + ".log")));
+  }
+  std::string workers;
+  for (int r = 0; r < kTasks; ++r) {
+    EXPECT_EQ(tasks[r]->Wait(120s), 0) << "task " << r << "\n" << tasks[r]->Output();
+    if (r >= 3) workers += tasks[r]->Output();
+  }
+  const auto losses = Losses(workers);
+  EXPECT_EQ(losses.size(), 2u) << workers;  // ranks 3 and 4 are workers 0 and 1
+  EXPECT_NE(tasks[0]->Output().find("80 gradient(s), workers joined 2"), std::string::npos)
+      << tasks[0]->Output();
+  EXPECT_FALSE(fs::exists(dir_ / "scheduler.addr")) << "the scheduler removes its file";
+  // --workers that the ranks contradict is refused, with what to do.
+  const std::string bad = Run({"launch", "--servers", "2", "--workers", "7", "--",
+                               DSYNC_EXAMPLE_WORKER},
+                              2, RankEnv(dir_ / "other.addr", 4, kTasks));
+  EXPECT_NE(bad.find("--workers 7 disagrees with the 5 task(s) launched"), std::string::npos)
+      << bad;
+}
+
+TEST_F(Launch, MpirunStartsTheWholeJob) {
+  if (std::system("command -v mpirun >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "mpirun is not installed (scripts/deps.sh installs openmpi-bin)";
+  }
+  const fs::path rendezvous = dir_ / "scheduler.addr";
+  // Root may run mpirun only when it says so (CI runs as root).
+  const std::map<std::string, std::string> env = {{"DSYNC_TOKEN", "mpi-token"},
+                                                  {"DSYNC_RENDEZVOUS", rendezvous.string()},
+                                                  {"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                                  {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}};
+  Proc mpi({"/usr/bin/env", "mpirun", "--oversubscribe", "-np", "6", "-x", "DSYNC_TOKEN", "-x",
+            "DSYNC_RENDEZVOUS", DSYNC_BINARY, "launch", "--servers", "2", "--",
+            DSYNC_EXAMPLE_WORKER, "60"},
+           env, dir_ / "mpirun.log");
+  const int status = mpi.Wait(120s);
+  const std::string out = mpi.Output();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << out;
+  EXPECT_EQ(Losses(out).size(), 3u) << out;
+  EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
+      << out;
+}
+
+}  // namespace
