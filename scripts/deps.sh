@@ -19,6 +19,8 @@ packages=(
   # and the tools that unpack the kernel package and compute its module closure
   qemu-system-x86 busybox-static cpio kmod xz-utils
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest iproute2
+  # tests/launch_test.cc: jobs under mpirun and under a one-node Slurm (scripts/slurm-local.sh)
+  openmpi-bin slurm-wlm munge
 )
 
 missing=()

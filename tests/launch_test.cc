@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -158,18 +159,23 @@ TEST_F(Launch, ByRankTheFirstTasksRunTheRolesAndTheRestTheProgram) {
       << bad;
 }
 
-TEST_F(Launch, MpirunStartsTheWholeJob) {
+// PATH with this build's dsyncps first: the examples call it by name.
+std::string PathWithDsyncps() {
+  const char* path = std::getenv("PATH");
+  return fs::path(DSYNC_BINARY).parent_path().string() + ":" + (path ? path : "/usr/bin:/bin");
+}
+
+TEST_F(Launch, TheMpiExampleStartsTheWholeJob) {
   if (std::system("command -v mpirun >/dev/null 2>&1") != 0) {
     GTEST_SKIP() << "mpirun is not installed (scripts/deps.sh installs openmpi-bin)";
   }
-  const fs::path rendezvous = dir_ / "scheduler.addr";
   // Root may run mpirun only when it says so (CI runs as root).
-  const std::map<std::string, std::string> env = {{"DSYNC_TOKEN", "mpi-token"},
-                                                  {"DSYNC_RENDEZVOUS", rendezvous.string()},
+  const std::map<std::string, std::string> env = {{"PATH", PathWithDsyncps()},
+                                                  {"RENDEZVOUS", (dir_ / "sched").string()},
+                                                  {"SERVERS", "2"},
                                                   {"OMPI_ALLOW_RUN_AS_ROOT", "1"},
                                                   {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}};
-  Proc mpi({"/usr/bin/env", "mpirun", "--oversubscribe", "-np", "6", "-x", "DSYNC_TOKEN", "-x",
-            "DSYNC_RENDEZVOUS", DSYNC_BINARY, "launch", "--servers", "2", "--",
+  Proc mpi({DSYNC_SOURCE_DIR "/examples/mpi/run.sh", "--oversubscribe", "-np", "6", "--",
             DSYNC_EXAMPLE_WORKER, "60"},
            env, dir_ / "mpirun.log");
   const int status = mpi.Wait(120s);
@@ -177,6 +183,83 @@ TEST_F(Launch, MpirunStartsTheWholeJob) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << out;
   EXPECT_EQ(Losses(out).size(), 3u) << out;
   EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("wrote 127.0.0.1:"), std::string::npos) << "found through the file\n" << out;
+}
+
+// A Slurm cluster of one node (scripts/slurm-local.sh), started once for the suite.
+class SlurmLaunch : public Launch {
+ protected:
+  static void SetUpTestSuite() {
+    if (getuid() != 0 || std::system("command -v slurmctld >/dev/null 2>&1") != 0) {
+      skip_ = "needs root and slurm-wlm + munge (scripts/deps.sh installs them)";
+      return;
+    }
+    cluster_ = fs::temp_directory_path() / ("dsync-slurm-" + std::to_string(getpid()));
+    const std::string start = std::string(DSYNC_SOURCE_DIR "/scripts/slurm-local.sh start ") +
+                              cluster_.string() + " >" + (cluster_.string() + ".log") + " 2>&1";
+    if (std::system(start.c_str()) != 0) {
+      std::ifstream log(cluster_.string() + ".log");
+      failed_ = std::string((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    }
+  }
+  static void TearDownTestSuite() {
+    if (cluster_.empty()) return;
+    const std::string stop =
+        std::string(DSYNC_SOURCE_DIR "/scripts/slurm-local.sh stop ") + cluster_.string();
+    (void)std::system(stop.c_str());
+    fs::remove_all(cluster_);
+    fs::remove(cluster_.string() + ".log");
+  }
+  void SetUp() override {
+    Launch::SetUp();
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+    ASSERT_TRUE(failed_.empty()) << "the Slurm cluster did not start:\n" << failed_;
+  }
+  std::map<std::string, std::string> Env() const {
+    return {{"SLURM_CONF", (cluster_ / "slurm.conf").string()},
+            {"PATH", PathWithDsyncps()},
+            {"DSYNC_TOKEN", "slurm-token"}};
+  }
+  static inline fs::path cluster_;
+  static inline std::string skip_, failed_;
+};
+
+TEST_F(SlurmLaunch, SrunRunsTheJobAndEveryTaskFindsTheSchedulerFromTheNodeList) {
+  Proc srun({"/usr/bin/env", "srun", "-n", "6", "--overcommit", "--kill-on-bad-exit=1",
+             DSYNC_BINARY, "launch", "--servers", "2", "--sync", "dsync:1", "--",
+             DSYNC_EXAMPLE_WORKER, "60"},
+            Env(), dir_ / "srun.log");
+  const int status = srun.Wait(120s);
+  const std::string out = srun.Output();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << out;
+  EXPECT_EQ(Losses(out).size(), 3u) << out;
+  EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
+      << out;
+  // No address was given: the port comes from the job and step ids (10000 .. 29999).
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(scheduler listening on 127\.0\.0\.1:(\d+))")))
+      << out;
+  EXPECT_GE(std::stoi(m[1]), 10000);
+  EXPECT_LT(std::stoi(m[1]), 30000);
+}
+
+TEST_F(SlurmLaunch, TheSbatchExampleCompletes) {
+  const fs::path output = dir_ / "job.out";
+  auto env = Env();
+  env["WORKER_CMD"] = std::string(DSYNC_EXAMPLE_WORKER) + " 40";
+  // The example asks for 2 nodes of 4 tasks; this cluster has one node: 6 tasks on it.
+  Proc sbatch({"/usr/bin/env", "sbatch", "--wait", "-N", "1", "-n", "6",
+               "--ntasks-per-node", "6", "--overcommit",
+               "--output", output.string(), DSYNC_SOURCE_DIR "/examples/slurm/train.sbatch"},
+              env, dir_ / "sbatch.log");
+  const int status = sbatch.Wait(150s);
+  std::ifstream in(output);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << status << "\n" << sbatch.Output() << "\n" << out;
+  EXPECT_EQ(Losses(out).size(), 3u) << out;
+  EXPECT_NE(out.find("120 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
       << out;
 }
 
