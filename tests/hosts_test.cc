@@ -12,7 +12,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -261,7 +263,9 @@ TEST_F(SeparateHosts, AJobOfSixHostsAddressedByNicNameAndWildcard) {
   SKIP_WITHOUT_HOSTS(hosts);
   const auto env = JobEnv(hosts, 2, 3);
   const std::string bin = DSYNC_BINARY;
-  Proc sched(hosts.On(0, {bin, "scheduler", "--interface", "dsync0"}), env, dir_ / "s.log");
+  Proc sched(hosts.On(0, {bin, "scheduler", "--interface", "dsync0", "--audit-log",
+                          (dir_ / "audit.jsonl").string()}),
+             env, dir_ / "s.log");
   ASSERT_TRUE(sched.WaitForOutput("scheduler listening on " + hosts.Address(0), 20s))
       << sched.Output();
   std::vector<std::unique_ptr<Proc>> servers, workers;
@@ -294,6 +298,24 @@ TEST_F(SeparateHosts, AJobOfSixHostsAddressedByNicNameAndWildcard) {
   EXPECT_NE(servers[0]->Output().find(", reached at " + hosts.Address(1)), std::string::npos)
       << servers[0]->Output();
   ExpectModelCount(3 * 20, 2);
+  // The audit log names every node's address: servers where workers reach them, workers
+  // where they connected from; each worker also leaves.
+  std::map<std::string, std::set<std::string>> seen;  // "registered server" -> hosts
+  std::ifstream audit(dir_ / "audit.jsonl");
+  for (std::string line; std::getline(audit, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("member")) continue;
+    const auto& m = j["member"];
+    const std::string address = m["address"];
+    seen[m["event"].get<std::string>() + " " + m["role"].get<std::string>()].insert(
+        address.substr(0, address.rfind(':')));
+  }
+  EXPECT_EQ(seen["registered server"],
+            (std::set<std::string>{hosts.Address(1), hosts.Address(2)}));
+  const std::set<std::string> worker_hosts = {hosts.Address(3), hosts.Address(4),
+                                              hosts.Address(5)};
+  EXPECT_EQ(seen["joined worker"], worker_hosts);
+  EXPECT_EQ(seen["left worker"], worker_hosts);
 }
 
 TEST_F(SeparateHosts, AServerBehindAnAdvertisedAddress) {

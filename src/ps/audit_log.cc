@@ -2,6 +2,8 @@
 
 #include <iterator>
 
+#include <nlohmann/json.hpp>
+
 namespace dsync::ps {
 
 AuditLog::~AuditLog() {
@@ -27,6 +29,25 @@ void AuditLog::Round(const RoundRecord& rec) {
                    m.base);
   }
   fmt::format_to(std::back_inserter(line), "]}}\n");
+  Write(line);
+}
+
+void AuditLog::Member(std::string_view event, std::string_view role, NodeId id,
+                      std::string_view address, std::string_view why,
+                      std::optional<dsync::Round> round) {
+  if (!file_) return;
+  // JSON strings (a server's advertised host is what its hello said: escaped, bytes that are
+  // not UTF-8 replaced).
+  auto quote = [](std::string_view text) {
+    return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  };
+  fmt::memory_buffer line;
+  fmt::format_to(std::back_inserter(line),
+                 "{{\"member\":{{\"event\":{},\"role\":{},\"id\":{},\"address\":{}",
+                 quote(event), quote(role), id, quote(address));
+  if (round) fmt::format_to(std::back_inserter(line), ",\"round\":{}", *round);
+  if (!why.empty()) fmt::format_to(std::back_inserter(line), ",\"why\":{}", quote(why));
+  fmt::format_to(std::back_inserter(line), "}}}}\n");
   Write(line);
 }
 

@@ -4,7 +4,9 @@
 
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "dsync/status.h"
 #include "dsync/types.h"
@@ -24,6 +26,11 @@ class AuditLog {
 
   // {"round":R,"live":L,"quorum":Q,"members":[[worker,clock,base],...]}
   void Round(const RoundRecord& rec);
+  // {"member":{"event":E,"role":"server"|"worker","id":N,"address":"HOST:PORT"}} with E
+  // registered (a server: the address workers reach it at), joined (a worker: the address
+  // it connected from; "round": the first round it counts in), left, failed ("why").
+  void Member(std::string_view event, std::string_view role, NodeId id, std::string_view address,
+              std::string_view why = {}, std::optional<dsync::Round> round = std::nullopt);
   // {"policy":{"from_round":R,"quorum":Q,"allowance":{"worker":rounds,...}}}
   void Policy(dsync::Round from_round, uint32_t quorum,
               const std::map<WorkerId, uint32_t>& allowance);

@@ -214,6 +214,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Clock begun_clock = ~Clock{0};  // the clock its last begin reported, and when
     SteadyClock::time_point begun_at;
     uint64_t committed = 0;  // gradients it committed (empty commits included)
+    std::string address;     // it connected from (the audit log)
   };
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
@@ -259,6 +260,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       last_arrival_ = SteadyClock::now();
       spdlog::info("scheduler: server {} registered at {}:{} ({}/{})", id, hello->host,
                    hello->port, servers_.size(), cfg_.num_servers);
+      audit_.Member("registered", "server", id, fmt::format("{}:{}", hello->host, hello->port));
       return;
     }
     if (hello->observer) {
@@ -369,11 +371,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = about.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
-      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0};
+      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0, transport_->PeerAddress(peer)};
       if (policy_) policy_->Join(id);
       ++counters_.workers_joined;
       spdlog::info("scheduler: worker {} joined from {} (counts from round {}, live {})", id,
                    transport_->PeerAddress(peer), admission->join_round, rule_.live_workers());
+      audit_.Member("joined", "worker", id, workers_[id].address, {}, admission->join_round);
       waiting_requests_.erase(id);
     }
     waiting_.clear();
@@ -524,7 +527,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     auto next = rule_.Remove(id, failed);
     if (!next.ok()) return;
     uint64_t committed = 0;
-    if (auto wit = workers_.find(id); wit != workers_.end()) committed = wit->second.committed;
+    std::string address;
+    if (auto wit = workers_.find(id); wit != workers_.end()) {
+      committed = wit->second.committed;
+      address = wit->second.address;
+    }
+    audit_.Member(failed ? "failed" : "left", "worker", id, address, failed ? why : "");
     if (policy_) {
       policy_->Leave(id);
       Redecide();
