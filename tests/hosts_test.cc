@@ -49,6 +49,16 @@ TEST(ListenHost, AnUnknownNameListsTheNicsPresent) {
       << msg;
   EXPECT_NE(msg.find("NICs here: "), std::string::npos) << msg;
   EXPECT_NE(msg.find("lo 127.0.0.1"), std::string::npos) << msg;
+  // A worker listens nowhere, yet it says so too rather than ignoring the name.
+  const auto log = std::filesystem::temp_directory_path() /
+                   ("dsync-worker-nic-" + std::to_string(getpid()) + ".log");
+  Proc worker({DSYNC_BINARY, "worker", "--insecure", "--interface", "nosuchnic9"}, {}, log);
+  const int status = worker.Wait(30s);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << worker.Output();
+  EXPECT_NE(worker.Output().find("--interface of this worker: interface 'nosuchnic9'"),
+            std::string::npos)
+      << worker.Output();
+  std::filesystem::remove(log);
 }
 
 TEST(ListenHost, WildcardsAreKnown) {

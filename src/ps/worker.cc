@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "ps/launcher_pipe.h"
+#include "ps/net_address.h"
 #include "ps/rendezvous.h"
 #include "ps/backends.h"
 #include "ps/handshake.h"
@@ -878,6 +879,12 @@ class WorkerNode final : public Worker, public TransportHandler {
 
 Result<std::unique_ptr<Worker>> Worker::Start(const Config& given) {
   DSYNC_RETURN_IF_ERROR(given.Validate());
+  // A worker listens nowhere, but a NIC name that does not exist on this host is a slip in
+  // the job's script all the same (the job's servers get the same variable): said, not
+  // ignored.
+  if (auto nic = ps::ResolveListenHost(given.bind_host); !nic.ok()) {
+    return nic.status().WithContext("DSYNC_INTERFACE/--interface of this worker");
+  }
   DSYNC_ASSIGN_OR_RETURN(const Config config, ps::FindScheduler(given));
   DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
   auto node = std::make_unique<ps::WorkerNode>(config, std::move(transport));
