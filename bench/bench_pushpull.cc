@@ -8,8 +8,11 @@
 //   bench_pushpull [--sizes 4,64] [--workers 1,2] [--servers 1] [--iters N] [--warmup 3]
 //                  [--ops pushpull,split] [--slice-mib 4] [--optimizer sgd]
 //                  [--loopback-chunks-mib 64,4] [--loopback-total-mib 256] [--loopback-reps 3]
+//   bench_pushpull --join --sizes 64 [--iters N]   one worker of a job started elsewhere
+//                  (its DSYNC_* environment): bench/netns_pushpull.sh runs it across hosts
 #include <barrier>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -34,6 +37,7 @@ struct Options {
   int loopback_reps = 3;
   std::string optimizer = "sgd";
   int timeout_s = 600;
+  bool join = false;  // one worker of a job started elsewhere (bench/netns_pushpull.sh)
 };
 
 struct WorkerResult {
@@ -68,6 +72,79 @@ int ItersFor(const Options& o, uint64_t bytes) {
   return static_cast<int>(std::clamp<uint64_t>(n, 10, 200));
 }
 
+// One worker's run: joins with `wcfg`, registers one tensor of `bytes`, warms up, calls
+// `sync` (every worker together), times `iters` iterations, calls `sync` again, leaves.
+WorkerResult RunWorker(const Config& wcfg, const Options& o, uint64_t bytes, const std::string& op,
+                       int iters, uint32_t r, const std::function<void()>& sync) {
+  const size_t n = bytes / sizeof(float);
+  WorkerResult res;
+  FloatBuffer params(n, 0.0f), grad(n);
+  FillPattern(params.data(), n, 1.0f, 1);
+  FillPattern(grad.data(), n, 1e-3f, 100 + r);
+  std::unique_ptr<Worker> w;
+  TensorId tensor = 0;
+  auto fail = [&](const Status& st, const char* what) {
+    if (res.error.empty()) res.error = fmt::format("worker {}: {}: {}", r, what, st.ToString());
+    if (w) w->Abandon();  // lets the scheduler drop this worker instead of waiting for it
+    w.reset();
+  };
+  {
+    auto started = Worker::Start(wcfg);
+    if (!started.ok()) {
+      fail(started.status(), "start");
+    } else {
+      w = std::move(started).value();
+      auto t = w->Register("bench", {params.data(), n});
+      if (!t.ok()) {
+        fail(t.status(), "register");
+      } else {
+        tensor = *t;
+      }
+    }
+  }
+  // One iteration; returns false (after recording the error) on failure.
+  auto iterate = [&](double* push_s, double* pull_s) -> bool {
+    if (!w) return false;
+    const auto t0 = SteadyClock::now();
+    if (op == "pushpull") {
+      Status st = w->Wait(w->PushPull(tensor, grad.data(), params.data()));
+      if (!st.ok()) {
+        fail(st, "pushpull");
+        return false;
+      }
+      *push_s = 0;
+      *pull_s = 0;
+      return true;
+    }
+    Status st = w->Wait(w->Push(tensor, grad.data()));
+    const auto t1 = SteadyClock::now();
+    if (st.ok()) st = w->Wait(w->Pull(tensor, params.data()));
+    if (!st.ok()) {
+      fail(st, "push/pull");
+      return false;
+    }
+    *push_s = Seconds(t0, t1);
+    *pull_s = Seconds(t1, SteadyClock::now());
+    return true;
+  };
+  double push_s = 0, pull_s = 0;
+  for (int i = 0; i < o.warmup; ++i) iterate(&push_s, &pull_s);
+  sync();
+  for (int i = 0; i < iters && w; ++i) {
+    const auto t0 = SteadyClock::now();
+    if (!iterate(&push_s, &pull_s)) break;
+    res.iter_s.push_back(Seconds(t0, SteadyClock::now()));
+    res.push_s.push_back(push_s);
+    res.pull_s.push_back(pull_s);
+  }
+  sync();
+  if (w) {
+    Status st = w->Leave();
+    if (!st.ok()) fail(st, "leave");
+  }
+  return res;
+}
+
 Row RunConfig(const Options& o, uint32_t servers, uint32_t workers, uint64_t bytes,
               const std::string& op) {
   Row row;
@@ -88,7 +165,6 @@ Row RunConfig(const Options& o, uint32_t servers, uint32_t workers, uint64_t byt
   }
   InProcessCluster& cluster = **cluster_or;
   const Config wcfg = cluster.WorkerConfig();
-  const size_t n = bytes / sizeof(float);
 
   // Phase boundaries: after warm-up and after the timed section, all workers together; the
   // last one to arrive reads the servers' pool counters.
@@ -106,71 +182,7 @@ Row RunConfig(const Options& o, uint32_t servers, uint32_t workers, uint64_t byt
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < workers; ++r) {
     threads.emplace_back([&, r] {
-      WorkerResult& res = results[r];
-      FloatBuffer params(n, 0.0f), grad(n);
-      FillPattern(params.data(), n, 1.0f, 1);
-      FillPattern(grad.data(), n, 1e-3f, 100 + r);
-      std::unique_ptr<Worker> w;
-      TensorId tensor = 0;
-      auto fail = [&](const Status& st, const char* what) {
-        if (res.error.empty()) res.error = fmt::format("worker {}: {}: {}", r, what, st.ToString());
-        if (w) w->Abandon();  // lets the scheduler drop this worker instead of waiting for it
-        w.reset();
-      };
-      {
-        auto started = Worker::Start(wcfg);
-        if (!started.ok()) {
-          fail(started.status(), "start");
-        } else {
-          w = std::move(started).value();
-          auto t = w->Register("bench", {params.data(), n});
-          if (!t.ok()) {
-            fail(t.status(), "register");
-          } else {
-            tensor = *t;
-          }
-        }
-      }
-      // One iteration; returns false (after recording the error) on failure.
-      auto iterate = [&](double* push_s, double* pull_s) -> bool {
-        if (!w) return false;
-        const auto t0 = SteadyClock::now();
-        if (op == "pushpull") {
-          Status st = w->Wait(w->PushPull(tensor, grad.data(), params.data()));
-          if (!st.ok()) {
-            fail(st, "pushpull");
-            return false;
-          }
-          *push_s = 0;
-          *pull_s = 0;
-          return true;
-        }
-        Status st = w->Wait(w->Push(tensor, grad.data()));
-        const auto t1 = SteadyClock::now();
-        if (st.ok()) st = w->Wait(w->Pull(tensor, params.data()));
-        if (!st.ok()) {
-          fail(st, "push/pull");
-          return false;
-        }
-        *push_s = Seconds(t0, t1);
-        *pull_s = Seconds(t1, SteadyClock::now());
-        return true;
-      };
-      double push_s = 0, pull_s = 0;
-      for (int i = 0; i < o.warmup; ++i) iterate(&push_s, &pull_s);
-      sync.arrive_and_wait();
-      for (int i = 0; i < row.iters && w; ++i) {
-        const auto t0 = SteadyClock::now();
-        if (!iterate(&push_s, &pull_s)) break;
-        res.iter_s.push_back(Seconds(t0, SteadyClock::now()));
-        res.push_s.push_back(push_s);
-        res.pull_s.push_back(pull_s);
-      }
-      sync.arrive_and_wait();
-      if (w) {
-        Status st = w->Leave();
-        if (!st.ok()) fail(st, "leave");
-      }
+      results[r] = RunWorker(wcfg, o, bytes, op, row.iters, r, [&] { sync.arrive_and_wait(); });
     });
   }
   for (auto& t : threads) t.join();
@@ -198,6 +210,37 @@ Row RunConfig(const Options& o, uint32_t servers, uint32_t workers, uint64_t byt
   return row;
 }
 
+// --join: this process is one worker of a job that runs elsewhere (its DSYNC_* environment
+// says where, as `dsyncps launch` or `join` set it): the row of the first --sizes entry.
+int JoinedWorker(const Options& o) {
+  auto cfg = Config::FromProcessEnvironment();
+  if (!cfg.ok()) {
+    fmt::print(stderr, "bench_pushpull --join: {}\n", cfg.status().ToString());
+    return 1;
+  }
+  cfg->role = Role::kWorker;
+  const uint64_t bytes = o.sizes_mib.front() * kMiB;
+  const int iters = ItersFor(o, bytes);
+  const WorkerResult res = RunWorker(*cfg, o, bytes, o.ops.front(), iters, 0, [] {});
+  if (!res.error.empty() || res.iter_s.empty()) {
+    fmt::print(stderr, "bench_pushpull --join: {}\n", res.error.empty() ? "no iteration" : res.error);
+    return 1;
+  }
+  const double median = Median(res.iter_s);
+  const double gbps = 2.0 * static_cast<double>(bytes) / median / kGB;
+  fmt::print("{:>8} {:>8} {:>5} {:>9} {:>9} {:>9} {:>9}\n", "tensor", "op", "iters", "iter ms",
+             "min ms", "max ms", "GB/s");
+  fmt::print("{:>4} MiB {:>8} {:>5} {:>9.2f} {:>9.2f} {:>9.2f} {:>9.3f}\n", o.sizes_mib.front(),
+             o.ops.front(), iters, median * 1e3, Min(res.iter_s) * 1e3, Max(res.iter_s) * 1e3,
+             gbps);
+  const nlohmann::json result = {{"bench", "pushpull_join"},   {"tensor_mib", o.sizes_mib.front()},
+                                 {"op", o.ops.front()},        {"iters", iters},
+                                 {"iter_ms_median", median * 1e3}, {"gbps_per_worker", gbps},
+                                 {"scheduler", cfg->scheduler_host}};
+  fmt::print("RESULT {}\n", result.dump());
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Options o;
   CLI::App app{"dsyncps push+pull throughput over TCP loopback"};
@@ -216,6 +259,9 @@ int Main(int argc, char** argv) {
   app.add_option("--loopback-total-mib", o.loopback_total_mib, "bytes per baseline repetition");
   app.add_option("--loopback-reps", o.loopback_reps, "baseline repetitions");
   app.add_option("--timeout", o.timeout_s, "seconds before the whole run is aborted (a hang)");
+  app.add_flag("--join", o.join,
+               "be one worker of a job started elsewhere (DSYNC_* environment): time the first "
+               "--sizes entry with the first --ops entry");
   CLI11_PARSE(app, argc, argv);
   QuietLogs();
   alarm(static_cast<unsigned>(o.timeout_s));  // SIGALRM ends the process: a stuck cluster
@@ -229,6 +275,11 @@ int Main(int argc, char** argv) {
     fmt::print(stderr, "unknown optimizer '{}'\n", o.optimizer);
     return 2;
   }
+  if (o.sizes_mib.empty() || o.ops.empty()) {
+    fmt::print(stderr, "--sizes and --ops need at least one entry\n");
+    return 2;
+  }
+  if (o.join) return JoinedWorker(o);
 
   // Baseline: plain TCP on 127.0.0.1, one sender thread, one receiver thread. The machine's
   // loopback speed drifts (other tenants), so it is measured right before every PS
