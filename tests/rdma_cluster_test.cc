@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "cluster_harness.h"
+#include "ps/backends.h"
 #include "rdma/rdma_device.h"
 #include "rdma/rdma_transport.h"
 
@@ -124,6 +125,35 @@ TEST(RdmaCluster, AServerOnLoopbackIsRefusedWithTheAddressToUse) {
   auto c = InProcessCluster::Start(cfg);  // binds 127.0.0.1, which no RDMA device has
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find(dev->ipv4), std::string::npos) << c.status().message();
+}
+
+TEST(RdmaDevice, TheInterfacePicksTheDeviceOnThatNic) {
+  auto dev = rdma::ChooseDevice({});
+  if (!dev.ok()) GTEST_SKIP() << dev.status().message();
+  rdma::DeviceOptions on_it;
+  on_it.interface_ip = dev->ipv4;
+  auto same = rdma::ChooseDevice(on_it);
+  ASSERT_TRUE(same.ok()) << same.status().message();
+  EXPECT_EQ(same->device, dev->device);
+  EXPECT_EQ(same->netdev, dev->netdev);
+  // A node told to use an address no RDMA device carries is not handed another NIC's device.
+  rdma::DeviceOptions elsewhere;
+  elsewhere.interface_ip = "192.0.2.77";
+  auto none = rdma::ChooseDevice(elsewhere);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("no RoCE v2 GID for 192.0.2.77"), std::string::npos)
+      << none.status().message();
+  // Through the node's configuration: --interface by NIC name, then by another address.
+  Config cfg = TestConfig("bsp", 1, 1);
+  cfg.transport = "rdma";
+  cfg.bind_host = dev->netdev;
+  auto t = ps::MakeTransport(cfg);
+  EXPECT_TRUE(t.ok()) << t.status().message();
+  cfg.bind_host = "192.0.2.77";
+  auto refused = ps::MakeTransport(cfg);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("192.0.2.77"), std::string::npos)
+      << refused.status().message();
 }
 
 // GPUDirect RDMA needs the NIC's kernel driver to import dma-bufs. Soft-RoCE's cannot: the

@@ -109,6 +109,7 @@ uint64_t MemlockLimit() {
 }
 
 Result<DeviceChoice> ChooseDevice(const DeviceOptions& o, std::string_view ip) {
+  if (ip.empty()) ip = o.interface_ip;
   DeviceList devs;
   if (!devs.list || devs.count == 0) {
     const int err = errno;

@@ -15,6 +15,10 @@ namespace dsync::rdma {
 struct DeviceOptions {
   std::string device;   // --rdma-device; empty: the first that fits
   int gid_index = -1;   // --gid-index; -1: the RoCE v2 IPv4-mapped GID of the device's netdev
+  // The IPv4 address of the NIC this node was told to use (--interface): the device and GID
+  // on that NIC, not merely the first that works (a host with an RDMA NIC per network).
+  // Empty: no preference.
+  std::string interface_ip;
 };
 
 // A port and GID the transport can use; rdma_cm binds by IP address, so the GID's IPv4
@@ -27,8 +31,9 @@ struct DeviceChoice {
   std::string netdev;  // the network device the GID belongs to
 };
 
-// Picks a device/port/GID; `ip`, when not empty, must be the GID's address (the interface
-// the node was told to use). Errors say what is missing and what to do.
+// Picks a device/port/GID; `ip` (else options.interface_ip), when not empty, must be the
+// GID's address (the interface the node was told to use). Errors say what is missing and
+// what to do.
 Result<DeviceChoice> ChooseDevice(const DeviceOptions& options, std::string_view ip = {});
 
 // Names of the RDMA devices present (empty when none or without kernel support).

@@ -2,7 +2,10 @@
 // configuration and from what this build and machine have.
 #include "ps/backends.h"
 
+#include <arpa/inet.h>
+
 #include "cpu/cpu_store.h"
+#include "ps/net_address.h"
 #include "tcp/tcp_transport.h"
 #if DSYNC_HAVE_RDMA
 #include "rdma/rdma_transport.h"
@@ -21,12 +24,29 @@ AdmissionLimits AdmissionLimitsOf(const Config& config) {
   return a;
 }
 
+#if DSYNC_HAVE_RDMA
+namespace {
+// The IPv4 address --interface names (a NIC's or a literal one), "" for a wildcard, loopback
+// or anything else: that is the address whose GID picks the RDMA device. An interface that
+// does not resolve is left to the listener to report.
+std::string InterfaceIpv4(const std::string& interface) {
+  if (ps::IsWildcardHost(interface)) return "";
+  auto resolved = ps::ResolveListenHost(interface);
+  in_addr a{};
+  if (!resolved.ok() || inet_pton(AF_INET, resolved->c_str(), &a) != 1) return "";
+  if ((ntohl(a.s_addr) >> 24) == 127) return "";
+  return *resolved;
+}
+}  // namespace
+#endif
+
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
 #if DSYNC_HAVE_RDMA
   if (config.transport == "rdma" || config.transport == "auto") {
     rdma::RdmaOptions o;
     o.device.device = config.rdma_device;
     o.device.gid_index = config.gid_index;
+    o.device.interface_ip = InterfaceIpv4(config.bind_host);
     o.admission = AdmissionLimitsOf(config);
     auto t = rdma::MakeRdmaTransport(o);
     if (t.ok()) return std::unique_ptr<Transport>(std::move(*t));
