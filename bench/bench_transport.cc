@@ -67,7 +67,7 @@ class Sink : public ps::TransportHandler {
 
 Result<std::unique_ptr<ps::Transport>> Make(const Options& o) {
   Config c;
-  c.transport = o.transport;
+  DSYNC_ASSIGN_OR_RETURN(c.transport, ParseTransport(o.transport));
   return ps::MakeTransport(c);
 }
 
@@ -148,7 +148,7 @@ Result<double> BandwidthMiBs(const Options& o, uint64_t bytes) {
 // registers its buffers (Worker::RegisterBuffer), as a training loop would.
 Result<double> PsIteration(const Options& o, uint64_t bytes, bool pin) {
   Config cfg = BenchConfig(1, 1);
-  cfg.transport = o.transport;
+  DSYNC_ASSIGN_OR_RETURN(cfg.transport, ParseTransport(o.transport));
   cfg.bind_host = o.host;
   cfg.scheduler_host = o.host;
   cfg.optimizer.kind = OptimizerKind::kSgd;

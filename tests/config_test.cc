@@ -1,8 +1,14 @@
 // Configuration: sync modes, optimizers, sizes, the environment bootstrap and validation.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <tuple>
+
 #include <limits>
 
+#include "ps/settings.h"
 #include "dsync/config.h"
 #include "ps/hostlist.h"
 
@@ -107,8 +113,8 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   c.handshake_timeout_ms = 700;
   c.max_pending_connections = 9;
   c.max_pending_per_source = 3;
-  c.store = "auto";
-  c.gpudirect = "off";
+  c.store = StoreKind::kAuto;
+  c.gpudirect = GpuDirectMode::kOff;
   c.gid_index = 3;
   c.rdma_device = "rxe0";
   // A node's own settings stay behind.
@@ -139,13 +145,48 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   EXPECT_EQ(back.handshake_timeout_ms, 700u);
   EXPECT_EQ(back.max_pending_connections, 9u);
   EXPECT_EQ(back.max_pending_per_source, 3u);
-  EXPECT_EQ(back.store, "auto");
-  EXPECT_EQ(back.gpudirect, "off");
+  EXPECT_EQ(back.store, StoreKind::kAuto);
+  EXPECT_EQ(back.gpudirect, GpuDirectMode::kOff);
   EXPECT_EQ(back.gid_index, 3);
   EXPECT_EQ(back.rdma_device, "rxe0");
   EXPECT_EQ(back.role, Role::kWorker);
   EXPECT_EQ(back.port, 0);
   EXPECT_EQ(back.link_delay_us, 0u);
+}
+
+// The table every variable and flag comes from: each entry is whole and unique, its default
+// reads back to itself, and the README's table of variables documents it.
+TEST(Settings, EveryEntryIsWholeUniqueReadsBackAndIsDocumented) {
+  std::ifstream readme(DSYNC_SOURCE_DIR "/README.md");
+  const std::string doc((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(doc.empty());
+  std::set<std::string_view> envs, flags;
+  const Config defaults;
+  for (const ps::Setting& s : ps::Settings()) {
+    SCOPED_TRACE(std::string(s.env));
+    EXPECT_TRUE(s.env.starts_with("DSYNC_"));
+    EXPECT_TRUE(envs.insert(s.env).second) << "defined twice";
+    EXPECT_TRUE(s.flags.starts_with("--"));
+    EXPECT_TRUE(flags.insert(s.flags).second);
+    EXPECT_FALSE(s.help.empty());
+    ASSERT_NE(s.set, nullptr);
+    ASSERT_NE(s.get, nullptr);
+    EXPECT_NE(doc.find("`" + std::string(s.env) + "`"), std::string::npos) << "not in README.md";
+    const std::string text = s.get(defaults);
+    if (!text.empty()) {
+      Config back;
+      ASSERT_TRUE(s.set(back, text).ok()) << text;
+      EXPECT_EQ(s.get(back), text);
+    }
+    EXPECT_EQ(ps::FindSetting(s.env), &s);
+  }
+  EXPECT_EQ(ps::FindSetting("DSYNC_NOT_A_SETTING"), nullptr);
+  // An error names where the text came from.
+  auto bad = Config::FromEnvironment({{"DMLC_NUM_SERVER", "two"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("DMLC_NUM_SERVER: 'two' is not a whole number"),
+            std::string::npos)
+      << bad.status().message();
 }
 
 TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
@@ -340,10 +381,19 @@ TEST(ConfigValidate, RefusesWhatCannotRun) {
   c = WithToken();
   c.heartbeat_timeout_ms = c.heartbeat_interval_ms;
   EXPECT_NE(c.Validate().message().find("heartbeat timeout"), std::string::npos);
+  // Names that are none of the choices are refused where they are read.
+  for (const auto& [var, text, choices] :
+       {std::tuple{"DSYNC_TRANSPORT", "infiniband", "not one of tcp, rdma, auto"},
+        std::tuple{"DSYNC_STORE", "gpu", "not one of cpu, cuda, auto"},
+        std::tuple{"DSYNC_GPUDIRECT", "yes", "not one of auto, on, off"}}) {
+    auto bad = Config::FromEnvironment({{var, text}});
+    ASSERT_FALSE(bad.ok()) << var;
+    EXPECT_NE(bad.status().message().find(std::string(var) + ": "), std::string::npos)
+        << bad.status().message();
+    EXPECT_NE(bad.status().message().find(choices), std::string::npos) << bad.status().message();
+  }
   c = WithToken();
-  c.transport = "infiniband";
-  EXPECT_NE(c.Validate().message().find("not one of tcp, rdma, auto"), std::string::npos);
-  c.transport = "rdma";
+  c.transport = TransportKind::kRdma;
 #if DSYNC_HAVE_RDMA
   EXPECT_TRUE(c.Validate().ok());  // whether a device is there is the transport factory's question
 #else
@@ -351,10 +401,8 @@ TEST(ConfigValidate, RefusesWhatCannotRun) {
   EXPECT_NE(c.Validate().message().find("--transport tcp"), std::string::npos);
 #endif
   c = WithToken();
-  c.store = "cuda";
+  c.store = StoreKind::kCuda;
   EXPECT_TRUE(c.Validate().ok());  // whether a GPU is there is the store factory's question
-  c.store = "gpu";
-  EXPECT_NE(c.Validate().message().find("not one of cpu, cuda, auto"), std::string::npos);
   c = WithToken();
   c.slice_bytes = 2;
   EXPECT_FALSE(c.Validate().ok());

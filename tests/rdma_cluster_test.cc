@@ -24,7 +24,7 @@ struct Model {
 Model Train(const std::string& transport, const std::string& host) {
   constexpr uint32_t kWorkers = 2, kDim = 37, kBatch = 8, kSteps = 20, kBig = 1 << 18;
   Config cfg = TestConfig("bsp", 2, kWorkers);
-  cfg.transport = transport;
+  cfg.transport = ParseTransport(transport).value();
   cfg.bind_host = host;
   cfg.scheduler_host = host;
   cfg.optimizer.kind = OptimizerKind::kSgd;
@@ -89,7 +89,7 @@ TEST(RdmaCluster, RegisteredBuffersFreedAndAllocatedAgainGetTheRightData) {
   if (!dev.ok()) GTEST_SKIP() << dev.status().message();
   constexpr size_t kN = 1 << 16;  // 256 KiB: by rendezvous, straight into the buffer
   Config cfg = TestConfig("bsp", 1, 1);
-  cfg.transport = "rdma";
+  cfg.transport = TransportKind::kRdma;
   cfg.bind_host = dev->ipv4;
   cfg.scheduler_host = dev->ipv4;
   cfg.optimizer.kind = OptimizerKind::kSum;
@@ -121,7 +121,7 @@ TEST(RdmaCluster, AServerOnLoopbackIsRefusedWithTheAddressToUse) {
   auto dev = rdma::ChooseDevice({});
   if (!dev.ok()) GTEST_SKIP() << dev.status().message();
   Config cfg = TestConfig("bsp", 1, 1);
-  cfg.transport = "rdma";
+  cfg.transport = TransportKind::kRdma;
   auto c = InProcessCluster::Start(cfg);  // binds 127.0.0.1, which no RDMA device has
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find(dev->ipv4), std::string::npos) << c.status().message();
@@ -145,7 +145,7 @@ TEST(RdmaDevice, TheInterfacePicksTheDeviceOnThatNic) {
       << none.status().message();
   // Through the node's configuration: --interface by NIC name, then by another address.
   Config cfg = TestConfig("bsp", 1, 1);
-  cfg.transport = "rdma";
+  cfg.transport = TransportKind::kRdma;
   cfg.bind_host = dev->netdev;
   auto t = ps::MakeTransport(cfg);
   EXPECT_TRUE(t.ok()) << t.status().message();

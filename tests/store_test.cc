@@ -318,9 +318,9 @@ INSTANTIATE_TEST_SUITE_P(Stores, StoreTest, ::testing::ValuesIn(Stores()),
 // it can, --store cuda and --store auto both give it.
 TEST(StoreSelection, CudaWithoutAGpuIsAClearErrorAndAutoFallsBack) {
   Config c;
-  c.store = "cuda";
+  c.store = StoreKind::kCuda;
   auto cuda = MakeParamStore(c);
-  c.store = "auto";
+  c.store = StoreKind::kAuto;
   auto any = MakeParamStore(c);
   ASSERT_TRUE(any.ok()) << any.status().ToString();
 #if DSYNC_HAVE_CUDA

@@ -40,7 +40,7 @@ TEST(Trace, RolesAndTheCpuStoreEmitNamedNvtxRanges) {
   ASSERT_TRUE(trace::Enabled());
   Config cfg = TestConfig("bsp", 1, 2);
   cfg.optimizer.kind = OptimizerKind::kSum;
-  cfg.store = "cpu";
+  cfg.store = StoreKind::kCpu;
   LocalCluster cluster(cfg);
   ASSERT_TRUE(cluster.ok());
   auto workers = StartWorkers(cluster.WorkerConfig(), 2);

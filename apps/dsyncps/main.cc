@@ -194,23 +194,15 @@ int main(int argc, char** argv) {
   for (CLI::App* sub : {trn, cmp}) {
     dsync::app::AddJobFlags(*sub, main_config, main_text, /*cluster_size=*/false);
     AddMainJobFlags(*sub, main_cli);
-    sub->add_option("--store", main_config.store, "servers' parameter store: cpu | cuda | auto")
-        ->capture_default_str();
     sub->add_option("--worker-math", main_cli.spec.worker_math,
                     "workers' gradient math: cpu | cuda (cuBLAS) | auto (cuda when a GPU is "
                     "visible)")
         ->capture_default_str();
-    sub->add_option("--transport", main_config.transport,
-                    "tcp | rdma (with --bind on the RDMA netdev's IP) | auto")
-        ->capture_default_str();
-    sub->add_option("--interface,--bind", main_config.bind_host,
-                    "NIC name or address every process listens on (rdma: the RDMA netdev)")
-        ->capture_default_str();
-    sub->add_option("--gpudirect", main_config.gpudirect,
-                    "servers' GPUDirect RDMA (cuda store over rdma): auto | on | off")
-        ->capture_default_str();
-    sub->add_option("--rdma-device", main_config.rdma_device, "RDMA device (default: the first usable)");
-    sub->add_option("--gid-index", main_config.gid_index, "GID index (default: the RoCE v2 IPv4 GID)");
+    // The node settings a local job is run with (its processes get them all).
+    for (const char* var : {"DSYNC_STORE", "DSYNC_TRANSPORT", "DSYNC_INTERFACE", "DSYNC_GPUDIRECT",
+                            "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX"}) {
+      dsync::app::AddSettingFlag(*sub, main_config, main_text, var);
+    }
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
   cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();

@@ -68,6 +68,26 @@ struct OptimizerConfig {
   bool operator==(const OptimizerConfig&) const = default;
 };
 
+// How nodes talk (DSYNC_TRANSPORT): TCP sockets, RDMA verbs (libibverbs; a clear error where
+// no RDMA device is usable), or RDMA where a usable device exists, else TCP.
+enum class TransportKind { kTcp, kRdma, kAuto };
+std::string_view TransportName(TransportKind kind);
+Result<TransportKind> ParseTransport(std::string_view text);
+
+// Where servers keep their slices (DSYNC_STORE): host memory, GPU memory (a clear error
+// where no GPU is visible), or the GPU when one is visible.
+enum class StoreKind { kCpu, kCuda, kAuto };
+std::string_view StoreName(StoreKind kind);
+Result<StoreKind> ParseStore(std::string_view text);
+
+// Servers' GPUDirect RDMA, the NIC reading and writing the CUDA store's memory directly
+// (DSYNC_GPUDIRECT). auto: where the RDMA device and the GPU driver both support dma-buf,
+// else staged through pinned host memory (said once in the log) | on: a server that cannot
+// do it fails to start, saying why | off: always staged.
+enum class GpuDirectMode { kAuto, kOn, kOff };
+std::string_view GpuDirectName(GpuDirectMode mode);
+Result<GpuDirectMode> ParseGpuDirect(std::string_view text);
+
 // The scheduler port every task of Slurm job `job_id`, step `step_id` derives alike.
 uint16_t SlurmSchedulerPort(uint64_t job_id, uint64_t step_id);
 
@@ -126,17 +146,12 @@ struct Config {
   uint32_t max_pending_connections = 64;
   uint32_t max_pending_per_source = 16;
 
-  // tcp | rdma (libibverbs; a clear error where no RDMA device is usable) | auto (rdma when
-  // a usable device exists, else tcp)
-  std::string transport = "tcp";
-  std::string rdma_device;  // RDMA device to use (empty: the first with a usable port)
+  TransportKind transport = TransportKind::kTcp;
+  std::string rdma_device;  // RDMA device to use (empty: the one on --interface's NIC, else
+                            // the first with a usable port)
   int gid_index = -1;       // GID index (-1: the RoCE v2 IPv4-mapped GID of its netdev)
-  std::string store = "cpu";      // cpu | cuda | auto (cuda when a GPU is visible)
-  // Servers: GPUDirect RDMA, the NIC reading and writing the CUDA store's memory directly.
-  // auto: where the RDMA device and the GPU driver both support dma-buf, else staged through
-  // pinned host memory (said once in the log) | on: a server that cannot do it fails to
-  // start, saying why | off: always staged.
-  std::string gpudirect = "auto";
+  StoreKind store = StoreKind::kCpu;
+  GpuDirectMode gpudirect = GpuDirectMode::kAuto;  // servers
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).
   std::string audit_log;
@@ -154,7 +169,8 @@ struct Config {
   // on every address unless DSYNC_INTERFACE says otherwise.
   uint32_t slurm_hosts = 0;
 
-  // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults.
+  // Reads DSYNC_* (falling back to ps-lite's DMLC_* names) from `env` over the defaults;
+  // every variable is in one table (src/ps/settings.cc), which the flags use too.
   // Launched by srun or mpirun without DSYNC_ROLE, the task rank picks the role: 0 the
   // scheduler, 1..num_servers servers, the rest workers (DSYNC_NUM_WORKERS defaults to them).
   static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);

@@ -8,55 +8,13 @@
 extern char** environ;  // NOLINT: POSIX
 
 #include "ps/hostlist.h"
+#include "ps/number_text.h"
+#include "ps/settings.h"
 
 namespace dsync {
 namespace {
 
-Result<uint64_t> ParseUnsigned(std::string_view what, std::string_view text, uint64_t max) {
-  uint64_t v = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || v > max) {
-    return Error(StatusCode::kInvalidArgument, "{}: '{}' is not a whole number up to {}", what,
-                 text, max);
-  }
-  return v;
-}
-
-Result<float> ParseFloat(std::string_view what, std::string_view text) {
-  std::string s(text);
-  char* end = nullptr;
-  errno = 0;
-  const float v = std::strtof(s.c_str(), &end);
-  if (s.empty() || end != s.c_str() + s.size()) {
-    return Error(StatusCode::kInvalidArgument, "{}: '{}' is not a number", what, text);
-  }
-  // strtof saturates to infinity (or flushes towards 0) and says so only in errno.
-  if (errno == ERANGE) {
-    return Error(StatusCode::kInvalidArgument,
-                 "{}: '{}' does not fit a 32-bit float (magnitudes 1.2e-38 .. 3.4e38, or 0)",
-                 what, text);
-  }
-  return v;
-}
-
-// Sizes such as 4194304, 4M, 4MiB, 512k.
-Result<uint64_t> ParseBytes(std::string_view what, std::string_view text) {
-  uint64_t mult = 1;
-  std::string_view digits = text;
-  auto strip = [&](std::string_view suffix, uint64_t m) {
-    if (digits.size() > suffix.size() && digits.ends_with(suffix)) {
-      digits.remove_suffix(suffix.size());
-      mult = m;
-      return true;
-    }
-    return false;
-  };
-  strip("KiB", 1ull << 10) || strip("MiB", 1ull << 20) || strip("GiB", 1ull << 30) ||
-      strip("k", 1ull << 10) || strip("K", 1ull << 10) || strip("M", 1ull << 20) ||
-      strip("G", 1ull << 30);
-  DSYNC_ASSIGN_OR_RETURN(uint64_t v, ParseUnsigned(what, digits, UINT64_MAX / mult));
-  return v * mult;
-}
+using ps::ParseUnsigned;
 
 // Hyperparameters outside these ranges either cannot be sent to the nodes (JSON has no
 // inf or nan) or make every update diverge; refused here, naming the flag and the variable.
@@ -182,28 +140,76 @@ Result<OptimizerKind> ParseOptimizer(std::string_view text) {
                "optimizer '{}' is not one of sgd, momentum, adam, sum", text);
 }
 
+std::string_view TransportName(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kTcp: return "tcp";
+    case TransportKind::kRdma: return "rdma";
+    case TransportKind::kAuto: return "auto";
+  }
+  return "unknown";
+}
+
+Result<TransportKind> ParseTransport(std::string_view text) {
+  if (text == "tcp") return TransportKind::kTcp;
+  if (text == "rdma") return TransportKind::kRdma;
+  if (text == "auto") return TransportKind::kAuto;
+  return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto", text);
+}
+
+std::string_view StoreName(StoreKind kind) {
+  switch (kind) {
+    case StoreKind::kCpu: return "cpu";
+    case StoreKind::kCuda: return "cuda";
+    case StoreKind::kAuto: return "auto";
+  }
+  return "unknown";
+}
+
+Result<StoreKind> ParseStore(std::string_view text) {
+  if (text == "cpu") return StoreKind::kCpu;
+  if (text == "cuda") return StoreKind::kCuda;
+  if (text == "auto") return StoreKind::kAuto;
+  return Error(StatusCode::kInvalidArgument, "parameter store '{}' is not one of cpu, cuda, auto",
+               text);
+}
+
+std::string_view GpuDirectName(GpuDirectMode mode) {
+  switch (mode) {
+    case GpuDirectMode::kAuto: return "auto";
+    case GpuDirectMode::kOn: return "on";
+    case GpuDirectMode::kOff: return "off";
+  }
+  return "unknown";
+}
+
+Result<GpuDirectMode> ParseGpuDirect(std::string_view text) {
+  if (text == "auto") return GpuDirectMode::kAuto;
+  if (text == "on") return GpuDirectMode::kOn;
+  if (text == "off") return GpuDirectMode::kOff;
+  return Error(StatusCode::kInvalidArgument, "gpudirect '{}' is not one of auto, on, off", text);
+}
+
 Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>& env) {
   Config c;
-  // DSYNC_* first, then the ps-lite/BytePS name users may already have exported.
-  auto get = [&](std::initializer_list<const char*> names) -> const std::string* {
-    for (const char* n : names) {
-      if (auto it = env.find(n); it != env.end() && !it->second.empty()) return &it->second;
+  // DSYNC_* first, then the ps-lite/BytePS name users may already have exported. Set but
+  // empty counts as unset.
+  auto get = [&](std::initializer_list<std::string_view> names) -> const std::string* {
+    for (std::string_view n : names) {
+      if (n.empty()) continue;
+      if (auto it = env.find(std::string(n)); it != env.end() && !it->second.empty()) {
+        return &it->second;
+      }
     }
     return nullptr;
   };
-  auto u32 = [&](std::initializer_list<const char*> names, uint32_t* out) -> Status {
-    if (const std::string* v = get(names)) {
-      DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned(*names.begin(), *v, UINT32_MAX));
-      *out = static_cast<uint32_t>(x);
+  for (const ps::Setting& s : ps::Settings()) {
+    for (std::string_view name : {s.env, s.fallbacks[0], s.fallbacks[1]}) {
+      if (const std::string* v = get({name})) {
+        DSYNC_RETURN_IF_ERROR(ps::ApplySetting(s, c, *v, name));
+        break;
+      }
     }
-    return Status::Ok();
-  };
-  auto f32 = [&](const char* name, float* out) -> Status {
-    if (const std::string* v = get({name})) {
-      DSYNC_ASSIGN_OR_RETURN(*out, ParseFloat(name, *v));
-    }
-    return Status::Ok();
-  };
+  }
 
   if (const std::string* v = get({"DSYNC_ROLE", "DMLC_ROLE"})) {
     DSYNC_ASSIGN_OR_RETURN(c.role, ParseRole(*v));
@@ -218,15 +224,6 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
       }
     }
   }
-  if (const std::string* v = get({"DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI"})) {
-    c.scheduler_host = *v;
-  }
-  uint32_t port = c.scheduler_port;
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"}, &port));
-  if (port > 65535) {
-    return Error(StatusCode::kInvalidArgument, "DSYNC_SCHEDULER_PORT {} is not a port", port);
-  }
-  c.scheduler_port = static_cast<uint16_t>(port);
   // Under Slurm, with no scheduler address given, the scheduler is rank 0, which srun places
   // on the step's first host; every task derives the same port from the job and step ids.
   if (const std::string* list = get({"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"});
@@ -246,65 +243,6 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
       c.scheduler_port = SlurmSchedulerPort(id, step);
     }
   }
-  uint32_t own_port = 0;
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_PORT", "DMLC_PORT"}, &own_port));
-  if (own_port > 65535) {
-    return Error(StatusCode::kInvalidArgument, "DSYNC_PORT {} is not a port", own_port);
-  }
-  c.port = static_cast<uint16_t>(own_port);
-  const std::string* interface = get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"});
-  if (interface) c.bind_host = *interface;
-  if (const std::string* v = get({"DSYNC_ADVERTISE"})) c.advertise_host = *v;
-  if (const std::string* v = get({"DSYNC_RENDEZVOUS"})) c.rendezvous = *v;
-  if (const std::string* v = get({"DSYNC_TOKEN"})) c.token = *v;
-  if (const std::string* v = get({"DSYNC_INSECURE"})) {
-    if (*v != "0" && *v != "1") {
-      return Error(StatusCode::kInvalidArgument, "DSYNC_INSECURE='{}' is not 0 or 1", *v);
-    }
-    c.insecure = *v == "1";
-  }
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER"}, &c.num_servers));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER"}, &c.num_workers));
-  if (const std::string* v = get({"DSYNC_SYNC"})) {
-    DSYNC_ASSIGN_OR_RETURN(c.sync, SyncMode::Parse(*v));
-  }
-  if (const std::string* v = get({"DSYNC_OPTIMIZER"})) {
-    DSYNC_ASSIGN_OR_RETURN(c.optimizer.kind, ParseOptimizer(*v));
-  }
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_LR", &c.optimizer.lr));
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_MOMENTUM", &c.optimizer.momentum));
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_BETA1", &c.optimizer.beta1));
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_BETA2", &c.optimizer.beta2));
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_EPS", &c.optimizer.eps));
-  DSYNC_RETURN_IF_ERROR(f32("DSYNC_WEIGHT_DECAY", &c.optimizer.weight_decay));
-  if (const std::string* v = get({"DSYNC_SLICE_BYTES"})) {
-    DSYNC_ASSIGN_OR_RETURN(c.slice_bytes, ParseBytes("DSYNC_SLICE_BYTES", *v));
-  }
-  if (const std::string* v = get({"DSYNC_MAX_GRADIENTS"})) {
-    DSYNC_ASSIGN_OR_RETURN(c.max_gradients, ParseUnsigned("DSYNC_MAX_GRADIENTS", *v, UINT64_MAX));
-  }
-  if (const std::string* v = get({"DSYNC_LINK_DELAY_MS"})) {
-    DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("DSYNC_LINK_DELAY_MS", *v));
-    if (!(ms >= 0.0f && ms <= 60000.0f)) {
-      return Error(StatusCode::kInvalidArgument,
-                   "DSYNC_LINK_DELAY_MS={} is outside 0 .. 60000 milliseconds", *v);
-    }
-    c.link_delay_us = static_cast<uint32_t>(ms * 1000.0f);
-  }
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_MS"}, &c.heartbeat_interval_ms));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HEARTBEAT_TIMEOUT_MS"}, &c.heartbeat_timeout_ms));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_CONNECT_TIMEOUT_MS"}, &c.connect_timeout_ms));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_HANDSHAKE_TIMEOUT_MS"}, &c.handshake_timeout_ms));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_MAX_PENDING_CONNECTIONS"}, &c.max_pending_connections));
-  DSYNC_RETURN_IF_ERROR(u32({"DSYNC_MAX_PENDING_PER_SOURCE"}, &c.max_pending_per_source));
-  if (const std::string* v = get({"DSYNC_TRANSPORT"})) c.transport = *v;
-  if (const std::string* v = get({"DSYNC_RDMA_DEVICE"})) c.rdma_device = *v;
-  if (const std::string* v = get({"DSYNC_GID_INDEX"})) {
-    DSYNC_ASSIGN_OR_RETURN(uint64_t gid, ParseUnsigned("DSYNC_GID_INDEX", *v, 65535));
-    c.gid_index = static_cast<int>(gid);
-  }
-  if (const std::string* v = get({"DSYNC_STORE"})) c.store = *v;
-  if (const std::string* v = get({"DSYNC_GPUDIRECT"})) c.gpudirect = *v;
   // Under srun or mpirun every task gets a rank: with no explicit role it picks one.
   const std::string* rank = get({"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
   const std::string* size = get({"SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
@@ -317,12 +255,10 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
     }
     DSYNC_RETURN_IF_ERROR(c.ApplyTaskRank());
     // A job over several hosts: the default loopback would keep the others out.
-    if (c.slurm_hosts > 1 && !interface) {
+    if (c.slurm_hosts > 1 && !get({"DSYNC_INTERFACE", "DMLC_INTERFACE", "DMLC_NODE_HOST"})) {
       c.bind_host = "0.0.0.0";
     }
   }
-  if (const std::string* v = get({"DSYNC_AUDIT_LOG"})) c.audit_log = *v;
-  if (const std::string* v = get({"DSYNC_DUMP_MODEL"})) c.dump_model = *v;
   return c;
 }
 
@@ -366,38 +302,11 @@ Result<Config> Config::FromProcessEnvironment() {
 }
 
 std::map<std::string, std::string> Config::ToEnvironment() const {
-  auto num = [](auto v) { return fmt::format("{}", v); };  // floats: shortest exact form
-  std::map<std::string, std::string> env = {
-      {"DSYNC_SCHEDULER_URI", scheduler_host},
-      {"DSYNC_SCHEDULER_PORT", num(scheduler_port)},
-      {"DSYNC_INTERFACE", bind_host},
-      {"DSYNC_NUM_SERVERS", num(num_servers)},
-      {"DSYNC_NUM_WORKERS", num(num_workers)},
-      {"DSYNC_SYNC", sync.ToString()},
-      {"DSYNC_OPTIMIZER", std::string(OptimizerName(optimizer.kind))},
-      {"DSYNC_LR", num(optimizer.lr)},
-      {"DSYNC_MOMENTUM", num(optimizer.momentum)},
-      {"DSYNC_BETA1", num(optimizer.beta1)},
-      {"DSYNC_BETA2", num(optimizer.beta2)},
-      {"DSYNC_EPS", num(optimizer.eps)},
-      {"DSYNC_WEIGHT_DECAY", num(optimizer.weight_decay)},
-      {"DSYNC_SLICE_BYTES", num(slice_bytes)},
-      {"DSYNC_MAX_GRADIENTS", num(max_gradients)},
-      {"DSYNC_HEARTBEAT_MS", num(heartbeat_interval_ms)},
-      {"DSYNC_HEARTBEAT_TIMEOUT_MS", num(heartbeat_timeout_ms)},
-      {"DSYNC_CONNECT_TIMEOUT_MS", num(connect_timeout_ms)},
-      {"DSYNC_HANDSHAKE_TIMEOUT_MS", num(handshake_timeout_ms)},
-      {"DSYNC_MAX_PENDING_CONNECTIONS", num(max_pending_connections)},
-      {"DSYNC_MAX_PENDING_PER_SOURCE", num(max_pending_per_source)},
-      {"DSYNC_TRANSPORT", transport},
-      {"DSYNC_STORE", store},
-      {"DSYNC_GPUDIRECT", gpudirect},
-      {"DSYNC_INSECURE", insecure ? "1" : "0"},
-  };
-  if (!token.empty()) env["DSYNC_TOKEN"] = token;
-  if (!rendezvous.empty()) env["DSYNC_RENDEZVOUS"] = rendezvous;
-  if (!rdma_device.empty()) env["DSYNC_RDMA_DEVICE"] = rdma_device;
-  if (gid_index >= 0) env["DSYNC_GID_INDEX"] = num(gid_index);
+  std::map<std::string, std::string> env;
+  for (const ps::Setting& s : ps::Settings()) {
+    if (!s.travels) continue;
+    if (std::string v = s.get(*this); !v.empty()) env[std::string(s.env)] = std::move(v);
+  }
   return env;
 }
 
@@ -421,25 +330,13 @@ Status Config::Validate() const {
     return Error(StatusCode::kInvalidArgument,
                  "the handshake timeout and the pending-connection caps must be at least 1");
   }
-  if (transport != "tcp" && transport != "rdma" && transport != "auto") {
-    return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
-                 transport);
-  }
 #if !DSYNC_HAVE_RDMA
-  if (transport == "rdma") {
+  if (transport == TransportKind::kRdma) {
     return Error(StatusCode::kUnimplemented,
                  "this build has no RDMA transport (libibverbs-dev and librdmacm-dev were not "
                  "found when it was configured); use --transport tcp, or rebuild with them");
   }
 #endif
-  if (store != "cpu" && store != "cuda" && store != "auto") {
-    return Error(StatusCode::kInvalidArgument,
-                 "parameter store '{}' is not one of cpu, cuda, auto", store);
-  }
-  if (gpudirect != "auto" && gpudirect != "on" && gpudirect != "off") {
-    return Error(StatusCode::kInvalidArgument, "gpudirect '{}' is not one of auto, on, off",
-                 gpudirect);
-  }
   DSYNC_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
   // Last: a setting that cannot work is the more useful message.
   if (token.empty() && !insecure) {

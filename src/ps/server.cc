@@ -107,7 +107,7 @@ class ServerNode final : public Server, public TransportHandler {
   // large payloads (pushed gradients, initial values, pull replies) go between the NIC and
   // GPU memory directly instead of through a pinned host buffer and a copy.
   Status SetUpDeviceMemory() {
-    if (cfg_.gpudirect == "off") return Status::Ok();
+    if (cfg_.gpudirect == GpuDirectMode::kOff) return Status::Ok();
     const DeviceMemory* memory = store_->device_memory();
     std::string why;
     if (!memory) {
@@ -125,7 +125,7 @@ class ServerNode final : public Server, public TransportHandler {
       }
       why = min_bytes.status().message();
     }
-    if (cfg_.gpudirect == "on") {
+    if (cfg_.gpudirect == GpuDirectMode::kOn) {
       return Error(StatusCode::kUnavailable,
                    "--gpudirect on, but GPUDirect RDMA is not possible here: {} (--gpudirect "
                    "auto stages payloads through pinned host memory instead)",

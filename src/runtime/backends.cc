@@ -42,7 +42,7 @@ std::string InterfaceIpv4(const std::string& interface) {
 
 Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
 #if DSYNC_HAVE_RDMA
-  if (config.transport == "rdma" || config.transport == "auto") {
+  if (config.transport == TransportKind::kRdma || config.transport == TransportKind::kAuto) {
     rdma::RdmaOptions o;
     o.device.device = config.rdma_device;
     o.device.gid_index = config.gid_index;
@@ -50,38 +50,33 @@ Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
     o.admission = AdmissionLimitsOf(config);
     auto t = rdma::MakeRdmaTransport(o);
     if (t.ok()) return std::unique_ptr<Transport>(std::move(*t));
-    if (config.transport == "rdma") return t.status();
+    if (config.transport == TransportKind::kRdma) return t.status();
     // auto: no usable RDMA device here, which is what TCP is for.
   }
 #else
-  if (config.transport == "rdma") {
+  if (config.transport == TransportKind::kRdma) {
     return Error(StatusCode::kUnimplemented,
                  "this build has no RDMA transport; use --transport tcp");
   }
 #endif
-  if (config.transport == "tcp" || config.transport == "auto") {
-    return tcp::MakeTcpTransport(
-        {std::chrono::microseconds(config.link_delay_us), AdmissionLimitsOf(config)});
-  }
-  return Error(StatusCode::kInvalidArgument, "transport '{}' is not one of tcp, rdma, auto",
-               config.transport);
+  return tcp::MakeTcpTransport(
+      {std::chrono::microseconds(config.link_delay_us), AdmissionLimitsOf(config)});
 }
 
 Result<std::unique_ptr<ParamStore>> MakeParamStore(const Config& config) {
 #if DSYNC_HAVE_CUDA
-  if (config.store == "cuda" || (config.store == "auto" && cuda::DeviceAvailable())) {
+  if (config.store == StoreKind::kCuda ||
+      (config.store == StoreKind::kAuto && cuda::DeviceAvailable())) {
     return cuda::MakeCudaStore();
   }
 #else
-  if (config.store == "cuda") {
+  if (config.store == StoreKind::kCuda) {
     return Error(StatusCode::kUnimplemented,
                  "this build has no CUDA store (nvcc was not found when it was configured); "
                  "use --store cpu, or rebuild where the CUDA toolkit is installed");
   }
 #endif
-  if (config.store == "cpu" || config.store == "auto") return cpu::MakeCpuStore();
-  return Error(StatusCode::kInvalidArgument,
-               "parameter store '{}' is not one of cpu, cuda, auto", config.store);
+  return cpu::MakeCpuStore();
 }
 
 }  // namespace dsync::ps

@@ -1,8 +1,9 @@
 // The dsyncps program's node and job flags (apps/dsyncps/flags.h: CLI11 options, then
 // ApplyFlagText), over an argument list read from the input, one argument per line. Beyond
-// not crashing: only CLI11's own parse errors may be thrown; text flags that apply land in
-// the configuration as their parsers read them; and a configuration that passes Validate()
-// holds only finite optimizer settings (they travel to every node as JSON).
+// not crashing: only CLI11's own parse errors may be thrown; every flag that applies lands in
+// the configuration as its setting reads it alone, and as the same text in its environment
+// variable reads (src/ps/settings.cc: one reader for both); and a configuration that passes
+// Validate() holds only finite optimizer settings (they travel to every node as JSON).
 #include <spdlog/spdlog.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "dsync/config.h"
 #include "flags.h"
 #include "fuzz_check.h"
+#include "ps/settings.h"
 
 using namespace dsync;
 
@@ -38,13 +40,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(applied.code() == StatusCode::kInvalidArgument);
     return 0;
   }
-  if (!text.sync.empty()) FUZZ_CHECK(config.sync == SyncMode::Parse(text.sync).value());
-  if (!text.optimizer.empty()) {
-    FUZZ_CHECK(config.optimizer.kind == ParseOptimizer(text.optimizer).value());
-  }
-  if (!text.slice.empty()) {
-    FUZZ_CHECK(config.slice_bytes ==
-               Config::FromEnvironment({{"DSYNC_SLICE_BYTES", text.slice}})->slice_bytes);
+  for (const ps::Setting& s : ps::Settings()) {
+    auto it = text.values.find(s.env);
+    if (s.is_switch || it == text.values.end() || it->second.empty()) continue;
+    Config alone;
+    FUZZ_CHECK(s.set(alone, it->second).ok());
+    FUZZ_CHECK(s.get(alone) == s.get(config));
+    const auto from_env = Config::FromEnvironment({{std::string(s.env), it->second}});
+    FUZZ_CHECK(from_env.ok() && s.get(*from_env) == s.get(config));
   }
   FUZZ_CHECK(spdlog::get_level() == spdlog::level::from_str(text.log_level));
   if (config.Validate().ok()) {

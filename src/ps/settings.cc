@@ -1,0 +1,239 @@
+#include "ps/settings.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "ps/number_text.h"
+
+namespace dsync::ps {
+namespace {
+
+// Readers and writers by member; the table below picks one per setting.
+template <auto M>
+Status SetText(Config& c, std::string_view v) {
+  c.*M = std::string(v);
+  return Status::Ok();
+}
+template <auto M>
+std::string GetText(const Config& c) {
+  return c.*M;
+}
+
+template <auto M, uint64_t kMax = UINT32_MAX>
+Status SetUnsigned(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, kMax));
+  c.*M = static_cast<std::remove_reference_t<decltype(c.*M)>>(x);
+  return Status::Ok();
+}
+template <auto M>
+std::string GetNumber(const Config& c) {
+  return fmt::format("{}", c.*M);
+}
+
+template <auto M>
+Status SetPort(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, UINT64_MAX));
+  if (x > 65535) return Error(StatusCode::kInvalidArgument, "{} is not a port", v);
+  c.*M = static_cast<uint16_t>(x);
+  return Status::Ok();
+}
+
+template <auto M>
+Status SetOptimizerFloat(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.optimizer.*M, ParseFloat("", v));
+  return Status::Ok();
+}
+template <auto M>
+std::string GetOptimizerFloat(const Config& c) {
+  return fmt::format("{}", c.optimizer.*M);  // the shortest text that reads back exactly
+}
+
+// An enum through its Parse/Name pair.
+template <auto M, auto Parse, auto Name>
+Status SetEnum(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.*M, Parse(v));
+  return Status::Ok();
+}
+template <auto M, auto Parse, auto Name>
+std::string GetEnum(const Config& c) {
+  return std::string(Name(c.*M));
+}
+
+Status SetSync(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.sync, SyncMode::Parse(v));
+  return Status::Ok();
+}
+std::string GetSync(const Config& c) { return c.sync.ToString(); }
+
+Status SetOptimizer(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.optimizer.kind, ParseOptimizer(v));
+  return Status::Ok();
+}
+std::string GetOptimizer(const Config& c) { return std::string(OptimizerName(c.optimizer.kind)); }
+
+Status SetSliceBytes(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.slice_bytes, ParseBytes("", v));
+  return Status::Ok();
+}
+
+Status SetInsecure(Config& c, std::string_view v) {
+  if (v != "0" && v != "1") return Error(StatusCode::kInvalidArgument, "'{}' is not 0 or 1", v);
+  c.insecure = v == "1";
+  return Status::Ok();
+}
+std::string GetInsecure(const Config& c) { return c.insecure ? "1" : "0"; }
+
+Status SetLinkDelay(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("", v));
+  if (!(ms >= 0.0f && ms <= 60000.0f)) {
+    return Error(StatusCode::kInvalidArgument, "{} is outside 0 .. 60000 milliseconds", v);
+  }
+  c.link_delay_us = static_cast<uint32_t>(ms * 1000.0f);
+  return Status::Ok();
+}
+std::string GetLinkDelay(const Config& c) { return fmt::format("{}", c.link_delay_us / 1000.0); }
+
+Status SetGidIndex(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(uint64_t gid, ParseUnsigned("", v, 65535));
+  c.gid_index = static_cast<int>(gid);
+  return Status::Ok();
+}
+std::string GetGidIndex(const Config& c) {
+  return c.gid_index < 0 ? "" : std::to_string(c.gid_index);
+}
+
+using S = SettingScope;
+
+// clang-format off
+constexpr Setting kSettings[] = {
+  // --- every node: where the job is, this node's place in it -------------------------------
+  {"DSYNC_SCHEDULER_URI", {"DMLC_PS_ROOT_URI"}, "--scheduler-uri,--scheduler-host",
+   "scheduler address (under Slurm: the step's first host)", S::kNode, true, false,
+   SetText<&Config::scheduler_host>, GetText<&Config::scheduler_host>},
+  {"DSYNC_SCHEDULER_PORT", {"DMLC_PS_ROOT_PORT"}, "--scheduler-port",
+   "scheduler port (under Slurm: derived from the job and step ids)", S::kNode, true, false,
+   SetPort<&Config::scheduler_port>, GetNumber<&Config::scheduler_port>},
+  {"DSYNC_INTERFACE", {"DMLC_INTERFACE", "DMLC_NODE_HOST"}, "--interface,--bind",
+   "NIC name (eth0, ib0) or address this node listens on, 0.0.0.0 or :: for every address; "
+   "with RDMA it also picks the RDMA device on that NIC", S::kNode, true, false,
+   SetText<&Config::bind_host>, GetText<&Config::bind_host>},
+  {"DSYNC_ADVERTISE", {}, "--advertise",
+   "address a server tells its peers to reach it at (default: its --interface address, or "
+   "for a wildcard the one that routes to the scheduler); behind NAT, in containers",
+   S::kNode, false, false, SetText<&Config::advertise_host>, GetText<&Config::advertise_host>},
+  {"DSYNC_RENDEZVOUS", {}, "--rendezvous",
+   "a file every node can read: the scheduler writes its address there, the others wait for "
+   "it (instead of --scheduler-uri/-port)", S::kNode, true, false,
+   SetText<&Config::rendezvous>, GetText<&Config::rendezvous>},
+  {"DSYNC_PORT", {"DMLC_PORT"}, "--port", "port this node listens on; 0 picks one",
+   S::kNode, false, false, SetPort<&Config::port>, GetNumber<&Config::port>},
+  {"DSYNC_TOKEN", {}, "--token", "cluster token shared by every node", S::kNode, true, false,
+   SetText<&Config::token>, GetText<&Config::token>},
+  {"DSYNC_INSECURE", {}, "--insecure",
+   "run without a cluster token: anyone who reaches the ports may join", S::kNode, true, true,
+   SetInsecure, GetInsecure},
+  {"DSYNC_HEARTBEAT_MS", {}, "--heartbeat-ms", "heartbeat interval in ms", S::kNode, true, false,
+   SetUnsigned<&Config::heartbeat_interval_ms>, GetNumber<&Config::heartbeat_interval_ms>},
+  {"DSYNC_HEARTBEAT_TIMEOUT_MS", {}, "--heartbeat-timeout-ms",
+   "a worker silent this long (ms) is declared dead, a server stops the job", S::kNode, true,
+   false, SetUnsigned<&Config::heartbeat_timeout_ms>, GetNumber<&Config::heartbeat_timeout_ms>},
+  {"DSYNC_CONNECT_TIMEOUT_MS", {}, "--connect-timeout-ms",
+   "how long (ms) to keep trying to reach a peer or a rendezvous file; the scheduler ends a "
+   "job that gained no node for this long before it could start", S::kNode, true, false,
+   SetUnsigned<&Config::connect_timeout_ms>, GetNumber<&Config::connect_timeout_ms>},
+  {"DSYNC_HANDSHAKE_TIMEOUT_MS", {}, "--handshake-timeout-ms",
+   "a connection that has not authenticated within this many ms is dropped", S::kNode, true,
+   false, SetUnsigned<&Config::handshake_timeout_ms>, GetNumber<&Config::handshake_timeout_ms>},
+  {"DSYNC_MAX_PENDING_CONNECTIONS", {}, "--max-pending-connections",
+   "connections that have not authenticated, at most, per listener", S::kNode, true, false,
+   SetUnsigned<&Config::max_pending_connections>,
+   GetNumber<&Config::max_pending_connections>},
+  {"DSYNC_MAX_PENDING_PER_SOURCE", {}, "--max-pending-per-source",
+   "connections that have not authenticated, at most, from one address", S::kNode, true, false,
+   SetUnsigned<&Config::max_pending_per_source>, GetNumber<&Config::max_pending_per_source>},
+  {"DSYNC_LINK_DELAY_MS", {}, "--link-delay-ms",
+   "emulated latency (ms) added to every frame this node sends (experiments)", S::kNode, false,
+   false, SetLinkDelay, GetLinkDelay},
+  {"DSYNC_TRANSPORT", {}, "--transport",
+   "tcp | rdma (libibverbs/librdmacm; listen on the RDMA netdev's address) | auto (rdma when "
+   "a usable device exists)", S::kNode, true, false,
+   SetEnum<&Config::transport, ParseTransport, TransportName>,
+   GetEnum<&Config::transport, ParseTransport, TransportName>},
+  {"DSYNC_RDMA_DEVICE", {}, "--rdma-device",
+   "RDMA device, e.g. mlx5_0 or rxe0 (default: the one on --interface's NIC, else the first "
+   "with an active port and an IPv4 RoCE v2 GID)", S::kNode, true, false,
+   SetText<&Config::rdma_device>, GetText<&Config::rdma_device>},
+  {"DSYNC_GID_INDEX", {}, "--gid-index",
+   "GID index (default: the RoCE v2 IPv4-mapped GID of the device's netdev)", S::kNode, true,
+   false, SetGidIndex, GetGidIndex},
+  {"DSYNC_STORE", {}, "--store",
+   "servers' parameter store: cpu | cuda | auto (the GPU when one is visible)", S::kNode, true,
+   false, SetEnum<&Config::store, ParseStore, StoreName>,
+   GetEnum<&Config::store, ParseStore, StoreName>},
+  {"DSYNC_GPUDIRECT", {}, "--gpudirect",
+   "servers: the NIC reads/writes GPU memory directly (GPUDirect RDMA over dma-buf): auto | "
+   "on (fail if impossible) | off", S::kNode, true, false,
+   SetEnum<&Config::gpudirect, ParseGpuDirect, GpuDirectName>,
+   GetEnum<&Config::gpudirect, ParseGpuDirect, GpuDirectName>},
+  // --- the job's size ------------------------------------------------------------------------
+  {"DSYNC_NUM_SERVERS", {"DMLC_NUM_SERVER"}, "--num-servers", "servers in the job",
+   S::kCluster, true, false, SetUnsigned<&Config::num_servers>,
+   GetNumber<&Config::num_servers>},
+  {"DSYNC_NUM_WORKERS", {"DMLC_NUM_WORKER"}, "--num-workers",
+   "workers that start the job together; more may join later", S::kCluster, true, false,
+   SetUnsigned<&Config::num_workers>, GetNumber<&Config::num_workers>},
+  // --- the job: the scheduler owns these and hands them to every node ------------------------
+  {"DSYNC_SYNC", {}, "--sync",
+   "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp", S::kJob, true, false,
+   SetSync, GetSync},
+  {"DSYNC_OPTIMIZER", {}, "--optimizer", "sgd | momentum | adam | sum", S::kJob, true, false,
+   SetOptimizer, GetOptimizer},
+  {"DSYNC_LR", {}, "--lr", "learning rate", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::lr>, GetOptimizerFloat<&OptimizerConfig::lr>},
+  {"DSYNC_MOMENTUM", {}, "--momentum", "momentum", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::momentum>, GetOptimizerFloat<&OptimizerConfig::momentum>},
+  {"DSYNC_BETA1", {}, "--beta1", "adam beta1", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::beta1>, GetOptimizerFloat<&OptimizerConfig::beta1>},
+  {"DSYNC_BETA2", {}, "--beta2", "adam beta2", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::beta2>, GetOptimizerFloat<&OptimizerConfig::beta2>},
+  {"DSYNC_EPS", {}, "--eps", "adam epsilon", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::eps>, GetOptimizerFloat<&OptimizerConfig::eps>},
+  {"DSYNC_WEIGHT_DECAY", {}, "--weight-decay", "L2 weight decay", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::weight_decay>,
+   GetOptimizerFloat<&OptimizerConfig::weight_decay>},
+  {"DSYNC_SLICE_BYTES", {}, "--slice-bytes",
+   "tensors are cut into slices of this size, e.g. 4M, spread over the servers", S::kJob, true,
+   false, SetSliceBytes, GetNumber<&Config::slice_bytes>},
+  {"DSYNC_MAX_GRADIENTS", {}, "--max-gradients",
+   "the job's budget: once this many gradients are committed every worker is told to stop "
+   "(0: the workers decide)", S::kJob, true, false,
+   SetUnsigned<&Config::max_gradients, UINT64_MAX>, GetNumber<&Config::max_gradients>},
+  {"DSYNC_AUDIT_LOG", {}, "--audit-log",
+   "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
+   false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},
+  {"DSYNC_DUMP_MODEL", {}, "--dump-model",
+   "servers: at the end, write per-slice summaries to this directory", S::kJob, false, false,
+   SetText<&Config::dump_model>, GetText<&Config::dump_model>},
+};
+// clang-format on
+
+}  // namespace
+
+std::span<const Setting> Settings() { return kSettings; }
+
+const Setting* FindSetting(std::string_view env) {
+  for (const Setting& s : kSettings) {
+    if (s.env == env) return &s;
+  }
+  return nullptr;
+}
+
+Status ApplySetting(const Setting& setting, Config& config, std::string_view text,
+                    std::string_view source) {
+  Status st = setting.set(config, text);
+  if (st.ok()) return st;
+  return Error(st.code(), "{}: {}", source, st.message());
+}
+
+}  // namespace dsync::ps
