@@ -18,6 +18,10 @@
 #   --cache DIR      kernel cache (default $DSYNC_RXE_VM_CACHE or
 #                    ${XDG_CACHE_HOME:-/var/tmp}/dsyncps-rxe-vm); reused between runs.
 #   --cpus N         vCPUs (default: host cores, at most 4).   --mem SIZE   (default 2G)
+#   --ip ADDR        eth0's IPv4 address, /24 (default 10.0.2.15).
+#   --link L:R       eth0 on a link to another VM instead of QEMU's private user network:
+#                    UDP datagrams between host ports 127.0.0.1:L (this VM) and :R (the
+#                    other VM, started with --link R:L and another --ip of the same /24).
 #   --accel A        auto, kvm or tcg (default $DSYNC_RXE_ACCEL, else auto). auto: KVM when
 #                    /dev/kvm opens, falling back to TCG (software emulation, multi-threaded)
 #                    when the KVM guest prints nothing within KVM_FIRST_OUTPUT_S seconds or
@@ -30,11 +34,11 @@
 # the KVM attempt runs a stand-in that prints nothing and never ends (`sleep`) instead of QEMU.
 #
 # Inside the VM (busybox userland + rdma-core, perftest, iproute2), before the command runs:
-# modules rdma_rxe and rdma_ucm are loaded, eth0 (virtio-net, MTU 9000) has 10.0.2.15/24, lo
-# is up, rxe0 sits on eth0, RLIMIT_MEMLOCK is unlimited, the working directory is the host's
-# $PWD (created if it was not included), and these are exported:
-#   DSYNC_RDMA_DEVICE=rxe0  DSYNC_RXE_GID_INDEX=<index of the RoCE v2 GID ::ffff:10.0.2.15>
-#   DSYNC_RXE_IP=10.0.2.15  DSYNC_RXE_NETDEV=eth0  DSYNC_RXE_VM=1
+# modules rdma_rxe and rdma_ucm are loaded, eth0 (virtio-net, MTU 9000) has 10.0.2.15/24 (or
+# --ip), lo is up, rxe0 sits on eth0, RLIMIT_MEMLOCK is unlimited, the working directory is
+# the host's $PWD (created if it was not included), and these are exported:
+#   DSYNC_RDMA_DEVICE=rxe0  DSYNC_RXE_GID_INDEX=<index of the RoCE v2 GID ::ffff:<its IP>>
+#   DSYNC_RXE_IP=<its IP>  DSYNC_RXE_NETDEV=eth0  DSYNC_RXE_VM=1
 # Tools there: ibv_devices, ibv_devinfo, ibv_rc_pingpong, ib_{write,read,send}_{bw,lat}, rping,
 # rdma, ip. Files the command writes stay in the VM (RAM) and are lost: print what matters.
 #
@@ -56,7 +60,7 @@ usage() { sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0" >&2; exit 2
 # Single-quote a string for the VM's POSIX sh.
 sq() { local s=${1//\'/\'\\\'\'}; printf "'%s'" "$s"; }
 
-includes=() envs=() cmd="" cmd_timeout="" keep="" log=""
+includes=() envs=() cmd="" cmd_timeout="" keep="" log="" vm_ip=10.0.2.15 link=""
 timeout=${DSYNC_RXE_VM_TIMEOUT:-600}
 cache=${DSYNC_RXE_VM_CACHE:-${XDG_CACHE_HOME:-/var/tmp}/dsyncps-rxe-vm}
 cpus=$(nproc); [ "$cpus" -gt 4 ] && cpus=4
@@ -81,6 +85,8 @@ while [ $# -gt 0 ]; do
     --cpus) [ $# -ge 2 ] || usage; cpus=$2; shift 2 ;;
     --mem) [ $# -ge 2 ] || usage; mem=$2; shift 2 ;;
     --accel) [ $# -ge 2 ] || usage; accel=$2; accel_src="--accel $2"; shift 2 ;;
+    --ip) [ $# -ge 2 ] || usage; vm_ip=$2; shift 2 ;;
+    --link) [ $# -ge 2 ] || usage; link=$2; shift 2 ;;
     --) shift; [ $# -gt 0 ] || usage; cmd=""; for a in "$@"; do cmd+="$(sq "$a") "; done; break ;;
     -h|--help) usage ;;
     *) echo "$prog: unknown argument '$1'" >&2; usage ;;
@@ -90,6 +96,16 @@ done
 [[ $timeout =~ ^[0-9]+$ ]] || usage
 [ -n "$cmd_timeout" ] || cmd_timeout=$(( timeout > 180 ? timeout - 90 : timeout / 2 ))
 [[ $cmd_timeout =~ ^[0-9]+$ ]] || usage
+[[ $vm_ip =~ ^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})$ ]] ||
+  { echo "$prog: --ip $vm_ip is not an IPv4 address" >&2; exit 2; }
+# The IPv4-mapped GID's last 32 bits as /sys shows them (10.0.2.15 -> 0a00:020f).
+vm_gid_tail=$(printf '%02x%02x:%02x%02x' "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}" \
+  "${BASH_REMATCH[3]}" "${BASH_REMATCH[4]}")
+# Two VMs on one link need MACs of their own: the address's last three bytes.
+vm_mac="52:54:00:${vm_gid_tail:2:2}:${vm_gid_tail:5:2}:${vm_gid_tail:7:2}"
+if [ -n "$link" ]; then
+  [[ $link =~ ^[0-9]+:[0-9]+$ ]] || { echo "$prog: --link $link is not LOCAL_PORT:REMOTE_PORT" >&2; exit 2; }
+fi
 case $accel in
   auto|kvm|tcg) ;;
   *) echo "$prog: $accel_src: unknown accelerator '$accel' (expected auto, kvm or tcg)" >&2; exit 2 ;;
@@ -285,7 +301,7 @@ ldconfig -X -r "$R" 2>/dev/null || stamp "warning: ldconfig -r failed; relying o
 
 echo "root:x:0:0:root:/root:/bin/sh" >"$R/etc/passwd"
 echo "root:x:0:" >"$R/etc/group"
-printf '127.0.0.1 localhost\n10.0.2.15 rxe-vm\n' >"$R/etc/hosts"
+printf '127.0.0.1 localhost\n%s rxe-vm\n' "$vm_ip" >"$R/etc/hosts"
 printf 'passwd: files\ngroup: files\nhosts: files\n' >"$R/etc/nsswitch.conf"
 echo rxe-vm >"$R/etc/hostname"
 
@@ -295,6 +311,7 @@ echo rxe-vm >"$R/etc/hostname"
 } >"$R/rxe-vm/env"
 printf '%s\n' "$cmd" >"$R/rxe-vm/cmd"
 printf '%s\n' "$PWD" >"$R/rxe-vm/cwd"
+printf 'VM_IP=%s\nVM_GID_TAIL=%s\n' "$vm_ip" "$vm_gid_tail" >"$R/rxe-vm/net"
 mkdir -p "$R$PWD"
 echo "$cmd_timeout" >"$R/rxe-vm/cmd-timeout"
 
@@ -314,25 +331,26 @@ for m in $(cat /rxe-vm/load-order); do
   insmod "/rxe-vm/modules/$m" || fail "insmod $m"
 done
 ip link set lo up
+. /rxe-vm/net
 for i in $(seq 100); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done
 [ -e /sys/class/net/eth0 ] || fail "no eth0 (virtio-net)"
 # MTU 9000 lets rxe use a 4096-byte path MTU (about 1.5x the bandwidth of 1024).
-ip link set eth0 mtu 9000 && ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 || fail "eth0 setup"
+ip link set eth0 mtu 9000 && ip link set eth0 up && ip addr add $VM_IP/24 dev eth0 || fail "eth0 setup"
 rdma link add rxe0 type rxe netdev eth0 || fail "rdma link add rxe0"
-# The IPv4-mapped RoCE v2 GID (::ffff:10.0.2.15) appears asynchronously. One grep over the
+# The IPv4-mapped RoCE v2 GID (::ffff:$VM_IP) appears asynchronously. One grep over the
 # table: a shell loop over its many empty slots costs tens of seconds under emulation.
 GIDX=""
 port=/sys/class/infiniband/rxe0/ports/1
 for i in $(seq 100); do
-  for c in $(cd $port/gids && grep -l '0000:0000:0000:0000:0000:ffff:0a00:020f' * 2>/dev/null); do
+  for c in $(cd $port/gids && grep -l "0000:0000:0000:0000:0000:ffff:$VM_GID_TAIL" * 2>/dev/null); do
     read -r t <$port/gid_attrs/types/$c && [ "$t" = "RoCE v2" ] && GIDX=$c
   done
   [ -n "$GIDX" ] && break; sleep 0.1
 done
-[ -n "$GIDX" ] || fail "no RoCE v2 GID for 10.0.2.15 on rxe0"
+[ -n "$GIDX" ] || fail "no RoCE v2 GID for $VM_IP on rxe0"
 read -r state <$port/state
 log "init: rxe0 on eth0, port state '$state', RoCE v2 GID index $GIDX"
-export DSYNC_RDMA_DEVICE=rxe0 DSYNC_RXE_GID_INDEX=$GIDX DSYNC_RXE_IP=10.0.2.15 \
+export DSYNC_RDMA_DEVICE=rxe0 DSYNC_RXE_GID_INDEX=$GIDX DSYNC_RXE_IP=$VM_IP \
        DSYNC_RXE_NETDEV=eth0 DSYNC_RXE_VM=1 HOME=/root TMPDIR=/tmp
 . /rxe-vm/env
 ulimit -l unlimited    # registered memory is pinned; tests must not hit RLIMIT_MEMLOCK
@@ -389,13 +407,17 @@ probe_failure=""
 boot_vm() {
   local a=$1 limit=$2 probe=${3:-} qaccel=tcg,thread=multi cpu=max first deadline
   [ "$a" = kvm ] && qaccel=kvm cpu=host
+  local netdev=user,id=n0,restrict=on
+  if [ -n "$link" ]; then
+    netdev="dgram,id=n0,local.type=inet,local.host=127.0.0.1,local.port=${link%%:*},remote.type=inet,remote.host=127.0.0.1,remote.port=${link##*:}"
+  fi
   # -netdev user,restrict=on: the VM reaches nothing outside (rxe traffic to its own IP loops
   # in the kernel). romfile=: no iPXE option ROM needed (and ipxe-qemu may be absent).
   # shellcheck disable=SC2054  # the commas are inside QEMU's option values
   local qemu=(qemu-system-x86_64 -machine q35 -accel "$qaccel" -cpu "$cpu" -m "$mem"
       -smp "$cpus" -nodefaults -display none -monitor none -serial stdio -no-reboot
       -kernel "$work/vmlinuz" -initrd "$work/initrd.cpio"
-      -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,romfile=
+      -netdev "$netdev" -device "virtio-net-pci,netdev=n0,romfile=,mac=$vm_mac"
       -append "console=ttyS0 quiet loglevel=3 panic=-1 mitigations=off")
   if [ "$a" = kvm ] && [ "${DSYNC_RXE_TEST_HANGING_KVM:-0}" = 1 ]; then
     qemu=(sleep "$limit"); stamp "test hook DSYNC_RXE_TEST_HANGING_KVM=1: a silent 'sleep' stands in for QEMU under KVM"

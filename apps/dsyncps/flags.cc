@@ -40,6 +40,11 @@ void AddNodeFlags(CLI::App& app, const Config& config, FlagText& text) {
 void AddJobFlags(CLI::App& app, const Config& config, FlagText& text, bool cluster_size) {
   if (cluster_size) AddScope(app, config, text, ps::SettingScope::kCluster);
   AddScope(app, config, text, ps::SettingScope::kJob);
+  AddServerFlags(app, config, text);  // a launcher hands them to its servers
+}
+
+void AddServerFlags(CLI::App& app, const Config& config, FlagText& text) {
+  AddScope(app, config, text, ps::SettingScope::kServer);
 }
 
 void AddSettingFlag(CLI::App& app, const Config& config, FlagText& text, std::string_view env,

@@ -24,9 +24,12 @@ struct FlagText {
 // The flags of every role (where the scheduler is, the token, timeouts, transport, ...);
 // `config` supplies the values shown as defaults (the environment's, if set).
 void AddNodeFlags(CLI::App& app, const Config& config, FlagText& text);
-// The job-wide flags the scheduler owns (sync mode, optimizer, slices, budget, logs).
+// The job-wide flags the scheduler owns (sync mode, optimizer, slices, budget, logs), and
+// the servers' own (launchers pass them on).
 // `cluster_size`: also --num-servers/--num-workers (launchers size the cluster themselves).
 void AddJobFlags(CLI::App& app, const Config& config, FlagText& text, bool cluster_size = true);
+// The servers' own flags (--dump-model).
+void AddServerFlags(CLI::App& app, const Config& config, FlagText& text);
 // One setting's flag, by its variable's name (`help`: instead of the table's).
 void AddSettingFlag(CLI::App& app, const Config& config, FlagText& text, std::string_view env,
                     std::string_view help = {});

@@ -211,6 +211,7 @@ int main(int argc, char** argv) {
   cmp->add_option("--title", main_cli.title, "plot title (default: the scenario)");
   main_cli.spec.out_dir = "dsyncps-compare";
   for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
+  dsync::app::AddServerFlags(*server, config, text);
   // Rank mode (no subcommand: DSYNC_ROLE or the task rank decides) takes every flag a role
   // takes, so one `srun dsyncps FLAGS` line serves every task.
   dsync::app::AddNodeFlags(app, config, text);

@@ -213,7 +213,7 @@ constexpr Setting kSettings[] = {
    "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
    false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},
   {"DSYNC_DUMP_MODEL", {}, "--dump-model",
-   "servers: at the end, write per-slice summaries to this directory", S::kJob, false, false,
+   "servers: at the end, write per-slice summaries to this directory", S::kServer, false, false,
    SetText<&Config::dump_model>, GetText<&Config::dump_model>},
 };
 // clang-format on

@@ -20,6 +20,7 @@ enum class SettingScope {
   kNode,     // every role: where the scheduler is, this node's address, timeouts, transport
   kCluster,  // the job's size (launchers size it themselves and do not take these)
   kJob,      // owned by the scheduler and handed to every node: sync, optimizer, slices
+  kServer,   // servers' own (and launchers', which pass them to their servers)
 };
 
 struct Setting {
