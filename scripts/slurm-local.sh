@@ -18,9 +18,14 @@ if [ -z "$cmd" ] || [ -z "$dir" ]; then
   exit 2
 fi
 
-# A TCP port nobody listens on now (Slurm needs fixed ports in its configuration).
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+# Two different TCP ports nobody listens on now (Slurm needs fixed ports in its
+# configuration; a daemon that finds its port taken after all fails to start, and says so).
+free_ports() {
+  python3 -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(*[x.getsockname()[1] for x in s])'
 }
 
 wait_for() {  # wait_for SECONDS WHAT COMMAND...
@@ -38,14 +43,17 @@ stop() {
   if [ -f "$dir/slurm.conf" ]; then
     SLURM_CONF="$dir/slurm.conf" scontrol shutdown >/dev/null 2>&1 || true
   fi
+  local pidfile pid name
   for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/munge/munged.pid"; do
     [ -f "$pidfile" ] || continue
-    local pid
     pid=$(cat "$pidfile")
+    name=$(basename "$pidfile" .pid)
+    rm -f "$pidfile"
+    # A stale file's number may belong to another process by now: only ours are signalled.
+    [ "$(ps -p "$pid" -o comm= 2>/dev/null)" = "$name" ] || continue
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
-    rm -f "$pidfile"
   done
 }
 
@@ -75,6 +83,8 @@ fi
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 stop
+# A start that fails half-way leaves nothing running.
+trap 'stop' ERR
 rm -rf "$dir/state" "$dir/spool" "$dir/munge"
 mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
 chmod 700 "$dir/munge"
@@ -87,6 +97,7 @@ munged --force --socket="$dir/munge/munge.sock" --key-file="$dir/munge/munge.key
 wait_for 10 "munged answering" munge -S "$dir/munge/munge.sock" -n
 
 host=$(hostname -s)
+read -r -a ports < <(free_ports)
 cat >"$dir/slurm.conf" <<EOF
 ClusterName=dsynclocal
 SlurmctldHost=$host(127.0.0.1)
@@ -101,8 +112,8 @@ SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd.pid
 SlurmctldLogFile=$dir/slurmctld.log
 SlurmdLogFile=$dir/slurmd.log
-SlurmctldPort=$(free_port)
-SlurmdPort=$(free_port)
+SlurmctldPort=${ports[0]}
+SlurmdPort=${ports[1]}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none

@@ -94,15 +94,39 @@ echo '== B: done'"
 files=(--include "$dsyncps")
 [ $have_bench = 0 ] || files+=(--include "$bench")
 echo "test-rdma-two-vms.sh: VM A 10.9.0.1 (link port $port_a), VM B 10.9.0.2 (link port $port_b)"
-scripts/rxe-vm.sh --ip 10.9.0.1 --link "$port_a:$port_b" --cpus 2 --timeout "$timeout" \
-  --log "$out/a-console.log" "${files[@]}" --run "$cmd_a" >"$out/a.out" 2>&1 &
+# Each VM's exit status lands in a file: the other is stopped as soon as one fails.
+run_vm() {  # run_vm NAME IP LINK COMMAND
+  local name=$1 ip=$2 link=$3 cmd=$4 rc=0 pid
+  # A process group of its own (setsid): stopping it stops rxe-vm.sh and its QEMU together.
+  setsid -w scripts/rxe-vm.sh --ip "$ip" --link "$link" --cpus 2 --timeout "$timeout" \
+    --log "$out/$name-console.log" "${files[@]}" --run "$cmd" >"$out/$name.out" 2>&1 &
+  pid=$!
+  echo $pid >"$out/$name.pid"
+  wait $pid || rc=$?
+  echo $rc >"$out/$name.rc"
+}
+stop_vms() {
+  local v
+  for v in a b; do
+    [ -e "$out/$v.pid" ] && [ ! -e "$out/$v.rc" ] && kill -TERM -- "-$(cat "$out/$v.pid")" 2>/dev/null
+  done
+  return 0
+}
+run_vm a 10.9.0.1 "$port_a:$port_b" "$cmd_a" &
 pid_a=$!
-scripts/rxe-vm.sh --ip 10.9.0.2 --link "$port_b:$port_a" --cpus 2 --timeout "$timeout" \
-  --log "$out/b-console.log" "${files[@]}" --run "$cmd_b" >"$out/b.out" 2>&1 &
+run_vm b 10.9.0.2 "$port_b:$port_a" "$cmd_b" &
 pid_b=$!
-rc_a=0 rc_b=0
-wait $pid_a || rc_a=$?
-wait $pid_b || rc_b=$?
+# Neither VM outlives this script, and when one fails the other is stopped, not waited for.
+trap stop_vms EXIT
+while [ ! -e "$out/a.rc" ] || [ ! -e "$out/b.rc" ]; do
+  for v in a b; do
+    if [ -e "$out/$v.rc" ] && [ "$(cat "$out/$v.rc")" != 0 ]; then stop_vms; fi
+  done
+  sleep 1
+done
+wait $pid_a $pid_b 2>/dev/null || true
+rc_a=$(cat "$out/a.rc")
+rc_b=$(cat "$out/b.rc")
 for v in a b; do
   rc=$rc_a
   [ $v = a ] || rc=$rc_b
@@ -136,7 +160,7 @@ EOF
 # ib_write_bw's client line, after the console's "[qemu T]" prefix: "#bytes #iterations
 # BW peak[Gb/sec] BW average[Gb/sec] MsgRate[Mpps]"; the average.
 ib_gbits=$(awk '$3 == "1048576" && $4 == "20" {print $6}' "$out/b.out" | tail -1)
-ps_gbps=$(sed -n 's/.*RESULT \({"bench":"pushpull_join".*\)$/\1/p' "$out/b.out" |
+ps_gbps=$(sed -n 's/.*RESULT \({"bench":"pushpull_join".*\)$/\1/p' "$out/b.out" | tail -1 |
   python3 -c 'import json,sys; t=sys.stdin.read().strip(); print(json.loads(t)["gbps_per_worker"] if t else "")')
 echo "ib_write_bw B -> A, 1 MiB messages: ${ib_gbits:-?} Gbit/s; push+pull 1 MiB, one worker in B, server in A: ${ps_gbps:-?} GB/s"
 echo "RESULT {\"bench\":\"rdma_two_vms\",\"ib_write_bw_gbits\":${ib_gbits:-null},\"pushpull_gbps\":${ps_gbps:-null}}"

@@ -212,7 +212,8 @@ TEST(ConfigEnvironment, FallsBackToPsLiteNamesButPrefersDsyncOnes) {
 }
 
 TEST(ConfigEnvironment, TaskRanksPickRolesAgainWhenTheServerCountChanges) {
-  auto c = Config::FromEnvironment({{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "6"}});
+  auto c = Config::FromEnvironment(
+      {{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "6"}, {"SLURM_STEP_ID", "0"}});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->role, Role::kWorker);  // one server by default: rank 2 is a worker
   EXPECT_EQ(c->num_workers, 4u);
@@ -346,7 +347,7 @@ TEST(ConfigEnvironment, RefusesAnEmptyRole) {
 
 TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
   auto role_of = [](const char* rank_var, const char* rank) {
-    auto c = Config::FromEnvironment({{rank_var, rank}, {"SLURM_NTASKS", "7"},
+    auto c = Config::FromEnvironment({{rank_var, rank}, {"SLURM_NTASKS", "7"}, {"SLURM_STEP_ID", "3"},
                                       {"OMPI_COMM_WORLD_SIZE", "7"}, {"DSYNC_NUM_SERVERS", "2"}});
     EXPECT_TRUE(c.ok()) << c.status().ToString();
     EXPECT_EQ(c->num_workers, 4u);
@@ -362,9 +363,22 @@ TEST(ConfigEnvironment, SlurmAndMpiRanksPickTheRole) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->role, Role::kWorker);
   auto too_few = Config::FromEnvironment({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
-                                          {"DSYNC_NUM_SERVERS", "1"}});
+                                          {"SLURM_STEP_ID", "0"}, {"DSYNC_NUM_SERVERS", "1"}});
   ASSERT_FALSE(too_few.ok());
   EXPECT_NE(too_few.status().message().find("at least 3 tasks"), std::string::npos);
+  // Not a task of a parallel launch: a batch script (SLURM_PROCID=0, no step), a step of one
+  // task, an MPI world of one.
+  for (const std::map<std::string, std::string>& one :
+       {std::map<std::string, std::string>{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "8"}},
+        std::map<std::string, std::string>{
+            {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_STEP_ID", "2"}},
+        std::map<std::string, std::string>{{"OMPI_COMM_WORLD_RANK", "0"},
+                                           {"OMPI_COMM_WORLD_SIZE", "1"}}}) {
+    auto single = Config::FromEnvironment(one);
+    ASSERT_TRUE(single.ok()) << single.status().ToString();
+    EXPECT_FALSE(single->task_rank.has_value());
+    EXPECT_EQ(single->role, Role::kWorker);  // the default: a subcommand or DSYNC_ROLE says
+  }
 }
 
 // A configuration that passes validation: the defaults and a token.

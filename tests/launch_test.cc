@@ -99,8 +99,15 @@ TEST_F(Launch, TheJobsExitCodeIsTheWorkers) {
             std::string::npos)
       << missing;
   EXPECT_EQ(missing.find("[scheduler]"), std::string::npos) << missing;
-  const std::string mixed = Run({"launch", "sh", "--", "x"}, 2);
-  EXPECT_NE(mixed.find("'sh' before --"), std::string::npos) << mixed;
+  // From the program's name on everything is the program's, a `--` of its own included.
+  Run({"launch", "--workers", "1", "sh", "-c",
+       std::string("[ \"$1\" = -- ] && [ \"$2\" = x ] && exec ") + DSYNC_EXAMPLE_WORKER + " 3",
+       "sh", "--", "x"},
+      0);
+  // A program after -- for a command that runs none is refused, not dropped.
+  const std::string stray = Run({"worker", "--token", "launch", "--", "x"}, 2);
+  EXPECT_NE(stray.find("arguments after -- are a program for launch or join"), std::string::npos)
+      << stray;
 }
 
 TEST_F(Launch, JoinAddsTheUsersProgramToARunningJob) {
@@ -122,6 +129,14 @@ TEST_F(Launch, JoinAddsTheUsersProgramToARunningJob) {
   const std::string refused =
       Run({"join", "--", DSYNC_EXAMPLE_WORKER, "1"}, 2, {{"DSYNC_TOKEN", ""}});
   EXPECT_NE(refused.find("no cluster token"), std::string::npos) << refused;
+  // Under Slurm the joiner's own step would give another scheduler address: it must be told.
+  const std::string slurm = Run({"join", "--", DSYNC_EXAMPLE_WORKER, "1"}, 2,
+                                {{"SLURM_JOB_NODELIST", "node[1-2]"}, {"SLURM_JOB_ID", "7"},
+                                 {"SLURM_STEP_ID", "3"}, {"SLURM_PROCID", "0"},
+                                 {"SLURM_NTASKS", "1"}, {"DSYNC_TOKEN", "t"}});
+  EXPECT_NE(slurm.find("under Slurm a joiner cannot derive the running job's scheduler"),
+            std::string::npos)
+      << slurm;
 }
 
 // What mpirun gives every task: its rank and the task count; a shared rendezvous file.
@@ -184,7 +199,12 @@ TEST_F(Launch, TheMpiExampleStartsTheWholeJob) {
   EXPECT_EQ(Losses(out).size(), 3u) << out;
   EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
       << out;
-  EXPECT_NE(out.find("wrote 127.0.0.1:"), std::string::npos) << "found through the file\n" << out;
+  // The example listens on every address (ranks may be on several hosts); the file names the
+  // scheduler's NIC address, and the servers tell the address that routes to it.
+  EXPECT_NE(out.find("scheduler listening on 0.0.0.0:"), std::string::npos) << out;
+  EXPECT_NE(out.find("to the rendezvous file"), std::string::npos) << out;
+  EXPECT_EQ(out.find("registered at 0.0.0.0"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dir_ / "sched"));
 }
 
 // A Slurm cluster of one node (scripts/slurm-local.sh), started once for the suite.

@@ -248,6 +248,7 @@ TEST_F(MultiProcess, RankModeTakesEveryFlagAndFlagsMoveTheRanksRoles) {
                                  (dir_ / "dump").string()},
         std::map<std::string, std::string>{{"SLURM_PROCID", std::to_string(r)},
                                            {"SLURM_NTASKS", "5"},
+                                           {"SLURM_STEP_ID", "0"},
                                            {"DSYNC_SLICE_BYTES", "4096"},
                                            {"DSYNC_TOKEN", "rank-token"}},
         dir_ / ("rank" + std::to_string(r) + ".log")));
@@ -562,13 +563,13 @@ TEST_F(MultiProcess, SigtermStopsTheSchedulerAndAServerCleanly) {
 
 TEST_F(MultiProcess, AJobThatCannotFormEndsWithWhatItWaitedFor) {
   // Two servers expected, one started: nothing may wait forever. The scheduler gives up once
-  // no node arrived for the connect timeout, and the worker it held hears why.
+  // no node arrived for the start timeout, and the worker it held hears why.
   const std::string port = std::to_string(dsync::testing::FreeLoopbackPort());
   const std::map<std::string, std::string> env = {{"DSYNC_TOKEN", "t"},
                                                   {"DSYNC_SCHEDULER_PORT", port}};
   const auto start = std::chrono::steady_clock::now();
   Proc sched({DSYNC_BINARY, "scheduler", "--num-servers", "2", "--num-workers", "1",
-              "--connect-timeout-ms", "1500"},
+              "--start-timeout-ms", "1500"},
              env, dir_ / "scheduler.log");
   ASSERT_TRUE(sched.WaitForOutput("scheduler listening on", 20s)) << sched.Output();
   Proc server({DSYNC_BINARY, "server"}, env, dir_ / "server.log");

@@ -15,12 +15,23 @@ void AddFlag(CLI::App& app, const Config& config, FlagText& text, const ps::Sett
   const std::string help = fmt::format("{} ({})", help_override.empty() ? s.help : help_override,
                                        s.env);
   const std::string names(s.flags);
+  const std::string env(s.env);
   if (s.is_switch) {
-    app.add_flag(names, text.switches[std::string(s.env)], help);
+    text.options.emplace(env, app.add_flag(names, text.switches[env], help));
     return;
   }
-  CLI::Option* o = app.add_option(names, text.values[std::string(s.env)], help);
-  if (std::string shown = s.get(config); !shown.empty()) o->default_str(shown);
+  CLI::Option* o = app.add_option(names, text.values[env], help);
+  text.options.emplace(env, o);
+  if (std::string shown = s.get(config); !shown.empty() && !s.secret) o->default_str(shown);
+}
+
+// Whether any option bound to the setting was given.
+bool Given(const FlagText& text, std::string_view env) {
+  auto [first, last] = text.options.equal_range(env);
+  for (auto it = first; it != last; ++it) {
+    if (it->second->count() > 0) return true;
+  }
+  return false;
 }
 
 void AddScope(CLI::App& app, const Config& config, FlagText& text, ps::SettingScope scope) {
@@ -55,17 +66,14 @@ void AddSettingFlag(CLI::App& app, const Config& config, FlagText& text, std::st
 
 Status ApplyFlagText(const FlagText& text, Config& config) {
   for (const ps::Setting& s : ps::Settings()) {
+    if (!Given(text, s.env)) continue;
     if (s.is_switch) {
-      auto it = text.switches.find(s.env);
-      if (it != text.switches.end() && it->second) {
-        DSYNC_RETURN_IF_ERROR(ps::ApplySetting(s, config, "1", FirstFlag(s)));
-      }
+      DSYNC_RETURN_IF_ERROR(ps::ApplySetting(s, config, "1", FirstFlag(s)));
       continue;
     }
     auto it = text.values.find(s.env);
-    if (it != text.values.end() && !it->second.empty()) {
-      DSYNC_RETURN_IF_ERROR(ps::ApplySetting(s, config, it->second, FirstFlag(s)));
-    }
+    DSYNC_RETURN_IF_ERROR(
+        ps::ApplySetting(s, config, it == text.values.end() ? "" : it->second, FirstFlag(s)));
   }
   const auto level = spdlog::level::from_str(text.log_level);
   if (level == spdlog::level::off && text.log_level != "off") {

@@ -18,6 +18,9 @@ namespace dsync::app {
 struct FlagText {
   std::map<std::string, std::string, std::less<>> values;  // by DSYNC_* name
   std::map<std::string, bool, std::less<>> switches;
+  // Every option bound to a setting (several subcommands bind the same one): a flag given
+  // with an empty value (--interface "") still counts as given.
+  std::multimap<std::string, const CLI::Option*, std::less<>> options;
   std::string log_level = "info";
 };
 

@@ -80,6 +80,9 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
     if (getppid() != parent) _exit(1);
+    // A process group of its own: whatever it starts (a user's data loaders) is stopped with
+    // it (kill(-pid)), and cannot hold the launcher after it ended.
+    setpgid(0, 0);
     dup2(p[1], STDOUT_FILENO);
     dup2(p[1], STDERR_FILENO);
     if (ready_fd >= 0) {
@@ -90,7 +93,10 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
     signal(SIGTERM, SIG_DFL);
     image.ExecOrExit();
   }
+  setpgid(pid, pid);  // also here: whichever runs first, the group exists before any kill
   close(p[1]);
+  // Never blocking: a process the child started may hold the write end after the child ended.
+  fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
   *out = p[0];
   return pid;
 }
@@ -185,6 +191,7 @@ void SpawnWorker(Child& c) {
   env["DSYNC_READY_FD"] = "3";
   c.pid = Spawn(c.program, c.argv, env, ready[1], &c.out);
   close(ready[1]);
+  fcntl(ready[0], F_SETFL, fcntl(ready[0], F_GETFL) | O_NONBLOCK);  // as the output pipe
   c.ready = ready[0];
 }
 
@@ -195,7 +202,7 @@ bool JoinedBeforeExit(Child& c) {
   char buf[64];
   for (ssize_t n; (n = read(c.ready, buf, sizeof(buf))) != 0;) {
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) break;
+    if (n < 0) break;  // EAGAIN: a process it started holds the pipe; what is there was read
     c.joined = c.joined || std::memchr(buf, '\n', static_cast<size_t>(n)) != nullptr;
   }
   close(c.ready);
@@ -284,7 +291,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   auto kill_all = [&](int sig, const std::string& why) {
     for (Child& c : children) {
       if (!c.started || c.exited) continue;
-      kill(c.pid, sig);
+      if (kill(-c.pid, sig) != 0) kill(c.pid, sig);  // its group, else it alone
       if (c.stopped.empty()) c.stopped = why;
     }
   };
@@ -295,6 +302,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     signal(SIGTERM, SIG_DFL);
     for (Child& c : children) {
       if (c.ready >= 0) close(c.ready);
+      if (c.out >= 0) close(c.out);
+      // What a child started and left behind (its process group) ends with the job.
+      if (c.started && c.pid > 0) kill(-c.pid, SIGKILL);
       outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result, c.stopped});
     }
     return outcome;
@@ -377,8 +387,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
                                             : t0 + std::chrono::seconds(plan.timeout_s);
   // Once every worker has ended the scheduler ends the job within a heartbeat timeout; one
   // still running well after that is stopped, not waited for.
+  // (It may wait up to 30 s for observers to read the final model: more than that.)
   const auto grace_after_workers =
-      std::chrono::milliseconds(job.heartbeat_timeout_ms) + std::chrono::seconds(10);
+      std::chrono::milliseconds(job.heartbeat_timeout_ms) + std::chrono::seconds(45);
   std::optional<SteadyClock::time_point> workers_gone;
   std::optional<SteadyClock::time_point> scheduler_gone;
   std::optional<SteadyClock::time_point> terminated;  // when the launcher sent SIGTERM to all

@@ -312,22 +312,41 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // The program: after `--`, or from its name on (prefix_command); not both.
-  auto command_of = [&](CLI::App* sub) -> dsync::Result<std::vector<std::string>> {
-    std::vector<std::string> rest = sub->remaining();
-    if (!dashes) return rest;
-    if (!rest.empty()) {
-      return dsync::Error(dsync::StatusCode::kInvalidArgument,
-                          "'{}' before --: give {} its flags, then -- and your program",
-                          rest.front(), sub->get_name());
-    }
-    return command_after_dashes;
+  // The program: after `--`, or from its name on (prefix_command), in which case a `--` later
+  // on is the program's own.
+  auto command_of = [&](CLI::App* sub) {
+    std::vector<std::string> command = sub->remaining();
+    if (dashes && !command.empty()) command.push_back("--");
+    command.insert(command.end(), command_after_dashes.begin(), command_after_dashes.end());
+    return command;
   };
+  if (dashes && !lch->parsed() && !jn->parsed()) {
+    return Refuse(dsync::Error(dsync::StatusCode::kInvalidArgument,
+                               "arguments after -- are a program for launch or join to run; "
+                               "this command takes none"));
+  }
   if (lch->parsed() || jn->parsed()) {
-    auto command = command_of(lch->parsed() ? lch : jn);
-    if (!command.ok()) return Refuse(command.status());
-    if (jn->parsed()) return dsync::app::RunJoinCommand(config, *command);
-    launch.command = std::move(*command);
+    std::vector<std::string> command = command_of(lch->parsed() ? lch : jn);
+    if (jn->parsed()) {
+      // Under Slurm the scheduler's address is derived from the step, and a joiner runs in a
+      // step of its own: the running job's address must be given.
+      auto given = [&](const char* flag, std::initializer_list<const char*> vars) {
+        bool any = jn->get_option(flag)->count() > 0;
+        for (const char* v : vars) any = any || (std::getenv(v) && *std::getenv(v));
+        return any;
+      };
+      if (config.slurm_hosts > 0 && config.rendezvous.empty() &&
+          !(given("--scheduler-uri", {"DSYNC_SCHEDULER_URI", "DMLC_PS_ROOT_URI"}) &&
+            given("--scheduler-port", {"DSYNC_SCHEDULER_PORT", "DMLC_PS_ROOT_PORT"}))) {
+        return Refuse(dsync::Error(
+            dsync::StatusCode::kInvalidArgument,
+            "under Slurm a joiner cannot derive the running job's scheduler (that address "
+            "comes from the job's own step): give --scheduler-uri and --scheduler-port (or "
+            "DSYNC_SCHEDULER_URI and DSYNC_SCHEDULER_PORT), or --rendezvous"));
+      }
+      return dsync::app::RunJoinCommand(config, command);
+    }
+    launch.command = std::move(command);
     launch.workers_given = lch->get_option("--workers")->count() > 0;
     // On one machine a fresh token; the ranks of srun/mpirun need one they share (DSYNC_TOKEN
     // exported to every task), which Validate asks for.

@@ -5,8 +5,9 @@
 #
 #   examples/mpi/run.sh -np 8 --hostfile hosts -- python3 train.py
 #
-# Everything before -- goes to mpirun, the rest is the worker program. Set DSYNC_INTERFACE
-# to the NIC of your fast network when the hosts have several; SERVERS (default 2), SYNC
+# Everything before -- goes to mpirun, the rest is the worker program. DSYNC_INTERFACE: the
+# NIC of your fast network (ib0, eth1); default 0.0.0.0, every address (each server then
+# tells the others the address that routes to the scheduler). SERVERS (default 2), SYNC
 # (default dsync:2) and RENDEZVOUS (default a file in the current folder) as you need.
 set -euo pipefail
 
@@ -23,10 +24,12 @@ shift
 
 DSYNC_TOKEN=${DSYNC_TOKEN:-$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 DSYNC_RENDEZVOUS=${RENDEZVOUS:-$PWD/dsyncps-scheduler.$$}
-DSYNC_INTERFACE=${DSYNC_INTERFACE:-}
+DSYNC_INTERFACE=${DSYNC_INTERFACE:-0.0.0.0}
 export DSYNC_TOKEN DSYNC_RENDEZVOUS DSYNC_INTERFACE
 rm -f "$DSYNC_RENDEZVOUS"
+# The scheduler removes the file when it ends; not when it is killed.
+trap 'rm -f "$DSYNC_RENDEZVOUS"' EXIT
 
 # -x passes the variables to every rank, on every host.
-exec mpirun -x DSYNC_TOKEN -x DSYNC_RENDEZVOUS -x DSYNC_INTERFACE "${mpirun_args[@]}" \
+mpirun -x DSYNC_TOKEN -x DSYNC_RENDEZVOUS -x DSYNC_INTERFACE "${mpirun_args[@]}" \
   dsyncps launch --servers "${SERVERS:-2}" --sync "${SYNC:-dsync:2}" -- "$@"

@@ -140,6 +140,9 @@ struct Config {
   uint32_t heartbeat_interval_ms = 500;
   uint32_t heartbeat_timeout_ms = 5000;
   uint32_t connect_timeout_ms = 30000;
+  // Scheduler: a job that has not started (servers or initial workers missing) ends once no
+  // node has arrived for this long, saying what it waited for; 0 waits forever.
+  uint32_t start_timeout_ms = 300000;
   // Inbound connections that have not authenticated: dropped after this long, and capped in
   // number per listener and per source address.
   uint32_t handshake_timeout_ms = 10000;

@@ -243,9 +243,20 @@ Result<Config> Config::FromEnvironment(const std::map<std::string, std::string>&
       c.scheduler_port = SlurmSchedulerPort(id, step);
     }
   }
-  // Under srun or mpirun every task gets a rank: with no explicit role it picks one.
-  const std::string* rank = get({"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"});
-  const std::string* size = get({"SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
+  // Under srun or mpirun every task gets a rank: with no explicit role it picks one. Slurm's
+  // rank counts only in a job step (srun sets SLURM_STEP_ID): a batch script has
+  // SLURM_PROCID=0 too and is one process, as is a step of a single task (srun -n 1 dsyncps
+  // launch ... runs the job on that host).
+  const std::string* rank = nullptr;
+  const std::string* size = nullptr;
+  if (get({"SLURM_STEP_ID", "SLURM_STEPID"}) && get({"SLURM_PROCID"})) {
+    rank = get({"SLURM_PROCID"});
+    size = get({"SLURM_NTASKS"});
+  } else {
+    rank = get({"OMPI_COMM_WORLD_RANK", "PMI_RANK"});
+    size = get({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"});
+  }
+  if (size && *size == "1") rank = nullptr;
   if (rank && !get({"DSYNC_ROLE", "DMLC_ROLE"})) {
     DSYNC_ASSIGN_OR_RETURN(uint64_t r, ParseUnsigned("task rank", *rank, UINT32_MAX));
     c.task_rank = static_cast<uint32_t>(r);

@@ -712,6 +712,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                      std::chrono::duration_cast<std::chrono::milliseconds>(now - last_tick)
                          .count());
         judge_from = now + 2 * interval;
+        last_arrival_ += now - last_tick;  // nor count that time against the job's start
       }
       last_tick = now;
       if (now - last_told >= interval) {
@@ -738,15 +739,16 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
             break;
           }
         }
-        const auto quiet = std::chrono::milliseconds(cfg_.connect_timeout_ms);
-        if (!started_ && !finished_ && now - last_arrival_ > quiet) {
+        const auto quiet = std::chrono::milliseconds(cfg_.start_timeout_ms);
+        if (cfg_.start_timeout_ms > 0 && !started_ && !finished_ && now - last_arrival_ > quiet) {
           // A node that never comes (a host that failed to start it, a wrong address or
           // token) would otherwise hold the scheduler and every node that did come forever.
           Finish(Error(StatusCode::kDeadlineExceeded,
                        "the job did not start: {}, and no node arrived for {} ms "
-                       "(DSYNC_CONNECT_TIMEOUT_MS); start the missing nodes with this "
-                       "scheduler's address and the job's token, or lower --num-servers/--num-workers",
-                       WaitingFor(), cfg_.connect_timeout_ms));
+                       "(--start-timeout-ms, DSYNC_START_TIMEOUT_MS); start the missing nodes "
+                       "with this scheduler's address and the job's token, or lower "
+                       "--num-servers/--num-workers",
+                       WaitingFor(), cfg_.start_timeout_ms));
         }
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over

@@ -129,7 +129,7 @@ constexpr Setting kSettings[] = {
   {"DSYNC_PORT", {"DMLC_PORT"}, "--port", "port this node listens on; 0 picks one",
    S::kNode, false, false, SetPort<&Config::port>, GetNumber<&Config::port>},
   {"DSYNC_TOKEN", {}, "--token", "cluster token shared by every node", S::kNode, true, false,
-   SetText<&Config::token>, GetText<&Config::token>},
+   SetText<&Config::token>, GetText<&Config::token>, /*secret=*/true},
   {"DSYNC_INSECURE", {}, "--insecure",
    "run without a cluster token: anyone who reaches the ports may join", S::kNode, true, true,
    SetInsecure, GetInsecure},
@@ -139,8 +139,8 @@ constexpr Setting kSettings[] = {
    "a worker silent this long (ms) is declared dead, a server stops the job", S::kNode, true,
    false, SetUnsigned<&Config::heartbeat_timeout_ms>, GetNumber<&Config::heartbeat_timeout_ms>},
   {"DSYNC_CONNECT_TIMEOUT_MS", {}, "--connect-timeout-ms",
-   "how long (ms) to keep trying to reach a peer or a rendezvous file; the scheduler ends a "
-   "job that gained no node for this long before it could start", S::kNode, true, false,
+   "how long (ms) to keep trying to reach a peer, a rendezvous file or an answer to a hello",
+   S::kNode, true, false,
    SetUnsigned<&Config::connect_timeout_ms>, GetNumber<&Config::connect_timeout_ms>},
   {"DSYNC_HANDSHAKE_TIMEOUT_MS", {}, "--handshake-timeout-ms",
    "a connection that has not authenticated within this many ms is dropped", S::kNode, true,
@@ -184,6 +184,10 @@ constexpr Setting kSettings[] = {
    "workers that start the job together; more may join later", S::kCluster, true, false,
    SetUnsigned<&Config::num_workers>, GetNumber<&Config::num_workers>},
   // --- the job: the scheduler owns these and hands them to every node ------------------------
+  {"DSYNC_START_TIMEOUT_MS", {}, "--start-timeout-ms",
+   "scheduler: a job still missing servers or initial workers ends once no node has arrived "
+   "for this many ms, saying what it waited for (0: wait forever)", S::kJob, true, false,
+   SetUnsigned<&Config::start_timeout_ms>, GetNumber<&Config::start_timeout_ms>},
   {"DSYNC_SYNC", {}, "--sync",
    "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp", S::kJob, true, false,
    SetSync, GetSync},

@@ -36,6 +36,7 @@ struct Setting {
   Status (*set)(Config& config, std::string_view text) = nullptr;
   // The config's value as text the setter reads back; "" for "not set".
   std::string (*get)(const Config& config) = nullptr;
+  bool secret = false;  // never shown (help texts show the others' current values)
 };
 
 std::span<const Setting> Settings();

@@ -3,6 +3,7 @@
 #include "ps/backends.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 
 #include "cpu/cpu_store.h"
 #include "ps/net_address.h"
@@ -32,10 +33,20 @@ namespace {
 std::string InterfaceIpv4(const std::string& interface) {
   if (ps::IsWildcardHost(interface)) return "";
   auto resolved = ps::ResolveListenHost(interface);
+  if (!resolved.ok()) return "";
   in_addr a{};
-  if (!resolved.ok() || inet_pton(AF_INET, resolved->c_str(), &a) != 1) return "";
+  if (inet_pton(AF_INET, resolved->c_str(), &a) != 1) {
+    // A host name: its IPv4 address, as the listener will bind it.
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(resolved->c_str(), nullptr, &hints, &found) != 0 || !found) return "";
+    a = reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr;
+    freeaddrinfo(found);
+  }
   if ((ntohl(a.s_addr) >> 24) == 127) return "";
-  return *resolved;
+  char text[INET_ADDRSTRLEN];
+  return inet_ntop(AF_INET, &a, text, sizeof(text)) ? text : "";
 }
 }  // namespace
 #endif
