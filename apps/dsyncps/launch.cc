@@ -68,14 +68,19 @@ std::map<std::string, std::string> WorkerEnvironment(const Config& job) {
   image.ExecOrExit();
 }
 
-// The exit code of a job on one machine: the first worker's (by rank) that did not exit 0 —
-// a signal as 128 + its number, like a shell — else 1 if the scheduler or a server failed.
+// The exit code of a job on one machine: the first worker's (by rank) that did not exit 0 by
+// itself — a signal as 128 + its number, like a shell — else 1 if the scheduler or a server
+// failed. A worker the launcher stopped because another failed counts only with an exit code
+// of its own (it may have failed by itself just before it was told to stop).
 int JobExitCode(const LaunchOutcome& outcome) {
   if (outcome.interrupted) return 130;
-  for (const ChildOutcome& c : outcome.children) {
-    if (!c.is_worker || !c.started) continue;
-    if (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0) return WEXITSTATUS(c.status);
-    if (WIFSIGNALED(c.status)) return 128 + WTERMSIG(c.status);
+  for (bool stopped_too : {false, true}) {
+    for (const ChildOutcome& c : outcome.children) {
+      if (!c.is_worker || !c.started) continue;
+      if (!c.stopped.empty() && !(stopped_too && WIFEXITED(c.status))) continue;
+      if (WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0) return WEXITSTATUS(c.status);
+      if (WIFSIGNALED(c.status)) return 128 + WTERMSIG(c.status);
+    }
   }
   return outcome.ok ? 0 : 1;
 }
