@@ -146,7 +146,17 @@ class Monitor {
   };
 
   void Loop(const Config& cfg) {
-    auto started = Worker::Start(cfg);
+    // In attempts of at most 2 s: a job that fails before the observer got in (Stop) must
+    // not hold the command for the whole connect timeout.
+    Config attempt = cfg;
+    attempt.connect_timeout_ms = std::min<uint32_t>(cfg.connect_timeout_ms, 2000);
+    const auto deadline = SteadyClock::now() + std::chrono::milliseconds(cfg.connect_timeout_ms);
+    Result<std::unique_ptr<Worker>> started = Worker::Start(attempt);
+    while (!started.ok() && !stop_ && SteadyClock::now() < deadline &&
+           (started.status().code() == StatusCode::kUnavailable ||
+            started.status().code() == StatusCode::kDeadlineExceeded)) {
+      started = Worker::Start(attempt);
+    }
     if (!started.ok()) {
       std::lock_guard lock(mu_);
       error_ = started.status().ToString();

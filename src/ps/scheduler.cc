@@ -67,6 +67,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    "reach {}:{} may join this job",
                    cfg_.bind_host, cfg_.scheduler_port);
     }
+    {
+      // Before the listener: from then on the transport's threads write it (under mu_).
+      std::lock_guard lock(mu_);
+      last_arrival_ = SteadyClock::now();
+    }
     transport_->SetHandler(this);
     DSYNC_ASSIGN_OR_RETURN(const std::string listen_host, ResolveListenHost(cfg_.bind_host));
     DSYNC_ASSIGN_OR_RETURN(port_, transport_->Listen(listen_host, cfg_.scheduler_port));
@@ -77,7 +82,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       spdlog::info("scheduler: wrote {}:{} to the rendezvous file {}", rendezvous_host_, port_,
                    cfg_.rendezvous);
     }
-    last_arrival_ = SteadyClock::now();
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
     spdlog::info("scheduler listening on {}:{} (sync {}, {} server(s), {} initial worker(s))",
                  listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(), cfg_.num_servers,
