@@ -524,7 +524,7 @@ TEST_F(MultiProcess, TrainStopsWhenItsWorkersCannotJoin) {
   const std::string out = RunDsyncps(
       {"train", "--workers", "2", "--servers", "1", "--data-dir", data.string()},
       /*expect_exit=*/1);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 30s) << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "not the observer's connect timeout\n" << out;
   EXPECT_TRUE(std::regex_search(
       out, std::regex("worker \\d failed before joining the job \\(exit code 1: .*train-images")))
       << out;
