@@ -219,10 +219,7 @@ class Hosts {
 class SeparateHosts : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("dsync-hosts-" + std::to_string(getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = dsync::testing::FreshTestDir("dsync-hosts");
     fs::create_directories(dir_ / "dump");
   }
   void TearDown() override {

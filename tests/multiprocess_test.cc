@@ -38,10 +38,7 @@ using namespace std::chrono_literals;
 class MultiProcess : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("dsync-mp-" + std::to_string(getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = dsync::testing::FreshTestDir("dsync-mp");
     fs::create_directories(dir_ / "dump");
   }
   void TearDown() override {
