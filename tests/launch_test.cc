@@ -53,6 +53,16 @@ class Launch : public ::testing::Test {
     return found;
   }
 
+  // A job of three worker ranks that ran to its end: each rank printed its losses, and all
+  // `gradients` reached the model with every worker gone cleanly.
+  static void ExpectThreeRanksTrained(const std::string& out, int gradients) {
+    EXPECT_EQ(Losses(out).size(), 3u) << out;
+    EXPECT_NE(out.find(std::to_string(gradients) +
+                       " gradient(s), workers joined 3, left 3, failed 0"),
+              std::string::npos)
+        << out;
+  }
+
   fs::path dir_;
   int runs_ = 0;
 };
@@ -196,9 +206,7 @@ TEST_F(Launch, TheMpiExampleStartsTheWholeJob) {
   const int status = mpi.Wait(120s);
   const std::string out = mpi.Output();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << out;
-  EXPECT_EQ(Losses(out).size(), 3u) << out;
-  EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
-      << out;
+  ExpectThreeRanksTrained(out, 180);
   // The example listens on every address (ranks may be on several hosts); the file names the
   // scheduler's NIC address, and the servers tell the address that routes to it.
   EXPECT_NE(out.find("scheduler listening on 0.0.0.0:"), std::string::npos) << out;
@@ -253,9 +261,7 @@ TEST_F(SlurmLaunch, SrunRunsTheJobAndEveryTaskFindsTheSchedulerFromTheNodeList) 
   const int status = srun.Wait(120s);
   const std::string out = srun.Output();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << out;
-  EXPECT_EQ(Losses(out).size(), 3u) << out;
-  EXPECT_NE(out.find("180 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
-      << out;
+  ExpectThreeRanksTrained(out, 180);
   // No address was given: the port comes from the job and step ids (10000 .. 29999).
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(scheduler listening on 127\.0\.0\.1:(\d+))")))
@@ -278,9 +284,7 @@ TEST_F(SlurmLaunch, TheSbatchExampleCompletes) {
   const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << status << "\n" << sbatch.Output() << "\n" << out;
-  EXPECT_EQ(Losses(out).size(), 3u) << out;
-  EXPECT_NE(out.find("120 gradient(s), workers joined 3, left 3, failed 0"), std::string::npos)
-      << out;
+  ExpectThreeRanksTrained(out, 120);
 }
 
 }  // namespace

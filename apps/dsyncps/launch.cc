@@ -17,11 +17,6 @@
 namespace dsync::app {
 namespace {
 
-int Refuse(const Status& s) {
-  std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
-  return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
-}
-
 bool Executable(const std::string& path) {
   struct stat st {};
   return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;

@@ -102,11 +102,7 @@ void AddMainJobFlags(CLI::App& app, MainJobCli& c) {
   app.add_option("--latency", c.latency, "I=MS: MS milliseconds of added latency on worker I's link");
 }
 
-// Prints why the command cannot run; exit code 2 for a mistake in the command line, else 1.
-int Refuse(const dsync::Status& s) {
-  std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
-  return s.code() == dsync::StatusCode::kInvalidArgument ? 2 : 1;
-}
+using dsync::app::Refuse;
 
 // Node flags that `local` decides for itself: refused, not silently ignored.
 dsync::Status CheckLocalFlags(const CLI::App& loc) {

@@ -44,6 +44,11 @@ sigset_t StopSignals() {
 
 }  // namespace
 
+int Refuse(const Status& status) {
+  std::fprintf(stderr, "dsyncps: error: %s\n", status.ToString().c_str());
+  return status.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
 // A handler rather than sigwait alone: OpenBLAS starts threads before main with nothing
 // blocked, so the kernel may hand the signal to one of them. The handler only writes to a
 // pipe; whichever thread runs it, the watcher's thread does the rest.

@@ -45,6 +45,9 @@ class StopSignalWatcher {
   std::thread thread_;
 };
 
+// Prints why the command cannot run; exit code 2 for a mistake in the command line, else 1.
+int Refuse(const Status& status);
+
 int RunScheduler(const Config& config);
 int RunServer(const Config& config);
 
