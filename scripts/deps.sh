@@ -21,6 +21,9 @@ packages=(
   rdma-core ibverbs-utils ibverbs-providers rdmacm-utils perftest iproute2
   # tests/launch_test.cc: jobs under mpirun and under a one-node Slurm (scripts/slurm-local.sh)
   openmpi-bin slurm-wlm munge
+  # the Python package (python/): Debian's own python3 with PyTorch, pybind11, DLPack, pytest
+  python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch
+  python3-torchvision
 )
 
 missing=()
