@@ -23,7 +23,7 @@ __all__ = ["ServerOptimizer", "Observer", "state_dict", "init", "shutdown", "ran
            "stop_requested", "Error"]
 
 # torch.optim's names and hyperparameters -> the server's optimizer.
-_KINDS = ("sgd", "momentum", "adam", "adamw")
+_KINDS = ("sgd", "momentum", "adam", "adamw", "sum")
 _active = None  # the process's ServerOptimizer (weak reference)
 
 
@@ -105,7 +105,7 @@ class ServerOptimizer(torch.optim.Optimizer):
 
     ``optimizer``: "sgd" (with ``momentum``, ``dampening``, ``nesterov`` as torch.optim.SGD),
     "momentum" (sgd with momentum), "adam" or "adamw" (``betas``, ``eps``), all with
-    ``weight_decay``. Parameters are named by ``model.named_parameters()``; every worker must
+    ``weight_decay``; "sum" adds every gradient to the parameters (for exactness checks). Parameters are named by ``model.named_parameters()``; every worker must
     build the same model. The first worker's initial values become the model; a worker that
     joins later starts from the servers' current model. ``lr`` changes (``set_lr`` or any
     ``torch.optim.lr_scheduler``) take effect from a round the scheduler picks, alike on
@@ -128,28 +128,27 @@ class ServerOptimizer(torch.optim.Optimizer):
                                          weight_decay, betas, eps)
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        global _active
-        if _active is not None and _active() is not None:
-            raise RuntimeError("this process already has a dsyncps ServerOptimizer: a worker "
-                               "commits all of its tensors together, so give one "
-                               "ServerOptimizer every parameter")
         super().__init__([p for _, p in named], {"lr": float(lr)})
         self._passes = int(backward_passes_per_step)
         self._slots = [_Slot(n, p) for n, p in named]
         self._lr = float(lr)
         self._requests = []
         self._worker = None
-        _active = weakref.ref(self)
         self._hooks = []
         self._accumulators = []
-        for slot in self._slots:
-            self._hook(slot)
         if initialized():
             self._join()
+        for slot in self._slots:
+            self._hook(slot)
 
     # -- joining -------------------------------------------------------------------------
 
     def _join(self):
+        global _active
+        if _active is not None and _active() is not None:
+            raise RuntimeError("this process already has a dsyncps ServerOptimizer: a worker "
+                               "commits all of its tensors together, so give one "
+                               "ServerOptimizer every parameter")
         w = worker()
         pulls = []
         for slot in self._slots:
@@ -163,6 +162,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             r.wait()
         self._copy_mirrors()
         self._worker = w
+        _active = weakref.ref(self)
 
     def _ready(self):
         if self._worker is None:

@@ -79,6 +79,8 @@ def launch(tmp_path):
         job = Job(proc, out, tmp_path)
         if expect is not None:
             assert proc.returncode == expect, out[-6000:]
+        if os.environ.get("DSYNCPS_TEST_VERBOSE"):
+            print(out)
         return job
 
     return run

@@ -1,0 +1,89 @@
+"""dsyncps.torch through real jobs: training, hooks, bad input, membership and exactness."""
+import glob
+import json
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="this interpreter has no PyTorch: install python3-torch (Debian) and "
+    "build with an interpreter that imports it (DSYNC_PYTHON)")
+
+
+def reports(job):
+    out = []
+    for line in job.out.splitlines():
+        if "REPORT " in line:
+            out.append(json.loads(line.split("REPORT ", 1)[1]))
+    return out
+
+
+def test_three_workers_under_dsync_2_2_meet_the_bound_and_train(launch):
+    job = launch(["torch_worker.py", "--mode", "train", "--iters", "60"], workers=3,
+                 servers=2, flags=["--sync", "dsync:2,2", "--optimizer", "momentum", "--lr",
+                                   "0.1", "--momentum", "0.9", "--slice-bytes", "1K"])
+    rs = reports(job)
+    assert len(rs) == 3, job.out[-3000:]
+    for r in rs:
+        assert r["last"] < 0.5 * r["first"], r
+        assert r["acc"] > 0.9, r
+    rounds = job.rounds()
+    assert rounds, "no rounds in the audit log"
+    for i, r in enumerate(rounds):
+        assert r["round"] == i
+        assert len(r["members"]) >= min(2, r["live_workers"]) if "live_workers" in r else True
+        for m in r["members"]:
+            assert r["round"] - m[2] <= 2, r  # staleness within the bound
+    # 3 workers x 60 gradients, every one applied once
+    assert sum(len(r["members"]) for r in rounds) == 180
+
+
+def test_pushes_start_inside_backward_and_a_parameter_without_gradient_commits(launch):
+    job = launch(["torch_worker.py", "--mode", "hooks"], workers=1, servers=1,
+                 flags=["--optimizer", "sgd", "--lr", "0.01"])
+    (r,) = reports(job)
+    # the first push went out before backward() returned, in every step
+    assert all(lag > 0 for lag in r["lags"]), r
+    # every step committed (one version per step) although 'unused' never had a gradient
+    assert r["versions"] == [1, 2, 3, 4, 5], r
+    assert r["unused_same"], r
+
+
+def test_bad_input_raises_what_to_do_and_the_job_trains_on(launch):
+    job = launch(["torch_worker.py", "--mode", "bad", "--iters", "5"], workers=2,
+                 flags=["--optimizer", "sgd", "--lr", "0.1"])
+    refused = [l for l in job.worker_lines() if "refused as expected" in l]
+    assert len(refused) == 2 * 5, job.out[-4000:]
+    assert [r["ok"] for r in reports(job)] == [True, True], job.out[-3000:]
+
+
+def test_a_parameter_whose_shape_differs_between_workers_is_refused_naming_both(launch):
+    job = launch(["torch_worker.py", "--mode", "shape", "--iters", "5"], workers=2,
+                 flags=["--optimizer", "sgd", "--lr", "0.1"])
+    rs = {r["rank"]: r for r in reports(job)}
+    err = rs[1]["error"]
+    assert "0.weight" in err and "(8, 6)" in err and "(5, 6)" in err, err
+    assert rs[0]["version"] >= 5
+
+
+def test_join_ctrl_c_and_sigkill_keep_the_model_exact(launch, tmp_path):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    job = launch(["torch_worker.py", "--mode", "exact", "--iters", "30"], workers=3, servers=2,
+                 flags=["--optimizer", "sum", "--slice-bytes", "1K", "--heartbeat-timeout-ms",
+                        "1500", "--dump-model", dump], expect=None)
+    rs = reports(job)
+    assert any(r.get("interrupted") for r in rs), job.out[-4000:]
+    assert any(r.get("joiner") for r in rs), job.out[-4000:]
+    assert job.returncode != 0  # a worker was killed: the launcher says so
+    applied = sum(len(r["members"]) for r in job.rounds())
+    steps = {(r["rank"], r["joiner"]): r["steps"] for r in rs if "steps" in r}
+    assert steps[(0, True)] == 8 and steps[(0, False)] >= 30, rs
+    # rank 0's and the joiner's steps, rank 1's 6 (all it pushed before Ctrl-C is committed)
+    # and what rank 2 had committed before it was killed (at most 9)
+    least = steps[(0, False)] + 8 + 6
+    assert least <= applied <= least + 9, job.out[-4000:]
+    files = glob.glob(str(dump / "*"))
+    assert len(files) == 2
+    for f in files:
+        for s in json.load(open(f))["slices"]:
+            assert s["min"] == applied and s["max"] == applied, (f, s, applied)

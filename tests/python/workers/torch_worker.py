@@ -1,0 +1,197 @@
+"""Workers on dsyncps.torch for the tests of test_torch.py (one --mode each)."""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import dsyncps.torch as dps
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", default="train")
+p.add_argument("--iters", type=int, default=40)
+p.add_argument("--out", default="")
+p.add_argument("--joiner", action="store_true")
+a = p.parse_args()
+rank = dps.rank()
+torch.manual_seed(1234)  # every worker builds the same initial model
+
+
+def report(**kw):
+    print("REPORT " + json.dumps(kw), flush=True)
+
+
+def data(seed, n=256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 10, generator=g)
+    y = ((x[:, 0] + 0.5 * x[:, 1]) > 0).long()
+    return x, y
+
+
+if a.mode == "train":
+    # A small MLP on a separable problem, each worker its own data.
+    model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    dps.init()
+    opt = dps.ServerOptimizer(model, "momentum", lr=0.1, momentum=0.9)
+    x, y = data(100 + rank)
+    first = None
+    for i in range(a.iters):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        first = float(loss) if first is None else first
+        if rank == 2:
+            time.sleep(0.01)  # a slower worker, so the bound matters
+    with torch.no_grad():
+        acc = float((model(x).argmax(1) == y).float().mean())
+    report(rank=rank, first=first, last=float(loss), acc=acc)
+    dps.shutdown()
+
+elif a.mode == "hooks":
+    # Pushes start inside backward(); a parameter without a gradient still lets steps commit.
+    layers = [torch.nn.Linear(64, 64) for _ in range(6)]
+    unused = torch.nn.Linear(3, 3)
+    model = torch.nn.ModuleDict({"body": torch.nn.Sequential(*layers), "unused": unused})
+    dps.init()
+    opt = dps.ServerOptimizer(model, "sgd", lr=0.01)
+    pushes = []
+
+    class Timed:
+        """The worker, with the time of each push_pull recorded."""
+
+        def __init__(self, w):
+            self.w = w
+
+        def push_pull(self, *args):
+            pushes.append(time.perf_counter())
+            return self.w.push_pull(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.w, name)
+
+    opt._worker = Timed(opt._worker)
+    before = unused.weight.detach().clone()
+    versions = []
+    lags = []
+    x = torch.randn(32, 64)
+    for i in range(5):
+        pushes.clear()
+        opt.zero_grad()
+        loss = model["body"](x).pow(2).mean()
+        loss.backward()
+        ended = time.perf_counter()
+        lags.append(ended - min(pushes))
+        assert len(pushes) == 12, len(pushes)  # 6 weights + 6 biases, none for 'unused'
+        opt.step()
+        versions.append(opt.version)
+    report(rank=rank, lags=lags, versions=versions,
+           unused_same=bool(torch.equal(before, unused.weight.detach())))
+    dps.shutdown()
+
+elif a.mode == "bad":
+    def refused(kind, words, fn):
+        try:
+            fn()
+        except kind as e:
+            missing = [w for w in words if w not in str(e)]
+            assert not missing, (str(e), missing)
+            print("refused as expected: %s: %s" % (kind.__name__, e), flush=True)
+            return
+        raise AssertionError("no %s (%s)" % (kind.__name__, words))
+
+    model = torch.nn.Linear(4, 3)
+    early = dps.ServerOptimizer(model, "sgd", lr=0.1)
+    refused(RuntimeError, ["dsyncps.init()"], early.step)
+    del early
+    refused(TypeError, ["weight", "torch.float64", "float32"],
+            lambda: dps.ServerOptimizer(torch.nn.Linear(2, 2).double(), "sgd", lr=0.1))
+    refused(ValueError, ["nesterov"],
+            lambda: dps.ServerOptimizer(model, "sgd", lr=0.1, nesterov=True))
+    refused(ValueError, ["not one of"], lambda: dps.ServerOptimizer(model, "lbfgs", lr=0.1))
+    dps.init()
+    # a transposed (non-contiguous) parameter trains like any other
+    model.weight = torch.nn.Parameter(torch.randn(3, 4).t().contiguous().t())
+    assert not model.weight.is_contiguous()
+    opt = dps.ServerOptimizer(model, "sgd", lr=0.1)
+    refused(RuntimeError, ["already has a dsyncps ServerOptimizer"],
+            lambda: dps.ServerOptimizer(model, "sgd", lr=0.1))
+    w0 = model.weight.detach().clone()
+    x = torch.ones(8, 4)
+    for i in range(a.iters):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    # grad of the sum is 8 for every weight: each of the 2 workers' mean is 8 per round
+    expect = w0 - a.iters * 0.1 * 8
+    report(rank=rank, ok=bool(torch.allclose(model.weight.detach(), expect, atol=1e-4)))
+    dps.shutdown()
+
+elif a.mode == "shape":
+    # Worker 1 builds another shape for one layer: its registration must be refused,
+    # naming the parameter and both shapes; worker 0 trains on.
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8 if rank == 0 else 5), torch.nn.Tanh())
+    dps.init()
+    if rank == 1:
+        # Register after worker 0 (which writes the file once it has), so the refusal is ours.
+        deadline = time.time() + 60
+        while not os.path.exists("registered") and time.time() < deadline:
+            time.sleep(0.05)
+        try:
+            dps.ServerOptimizer(model, "sgd", lr=0.1)
+        except Exception as e:
+            report(rank=rank, error=str(e), kind=type(e).__name__)
+            dps.shutdown()
+            sys.exit(0)
+        report(rank=rank, error="")
+        sys.exit(1)
+    opt = dps.ServerOptimizer(model, "sgd", lr=0.1)
+    open("registered", "w").close()
+    for i in range(a.iters):
+        opt.zero_grad()
+        model(torch.ones(2, 6)).sum().backward()
+        opt.step()
+    report(rank=rank, version=opt.version)
+    dps.shutdown()
+
+elif a.mode == "exact":
+    # sum optimizer, gradients of ones: the model counts the gradients applied. Rank 1 is
+    # interrupted (Ctrl-C) at step 6, rank 2 SIGKILLed at step 9, and rank 0 starts a joiner
+    # at step 4 that runs 8 steps.
+    p = torch.nn.Parameter(torch.zeros(1000))
+    dps.init()
+    opt = dps.ServerOptimizer([("count", p)], "sum")
+    if a.joiner:
+        open("joined", "w").close()
+    joiner = None
+    steps = 8 if a.joiner else a.iters
+    done = 0
+    try:
+        # Rank 0 trains on until the joiner is in: a job whose workers are all gone ends.
+        while done < steps or (joiner is not None and not os.path.exists("joined")):
+            i = done
+            if rank == 0 and not a.joiner and i == 4:
+                env = {k: v for k, v in os.environ.items()
+                       if k not in ("DSYNC_WORKER_RANK", "DSYNC_READY_FD")}
+                joiner = subprocess.Popen([sys.executable, __file__, "--mode", "exact",
+                                           "--joiner"], env=env)
+            if not a.joiner and rank == 1 and i == 6:
+                os.kill(os.getpid(), signal.SIGINT)
+            if not a.joiner and rank == 2 and i == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            p.sum().backward()  # gradient 1: the sum optimizer adds one per gradient
+            opt.step()
+            done += 1
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        report(rank=rank, interrupted=True, clock=dps.worker().clock)
+        raise
+    report(rank=rank, joiner=a.joiner, steps=done)
+    dps.shutdown()  # before waiting: under bsp the joiner's rounds need this worker or its leave
+    if joiner is not None:
+        assert joiner.wait(timeout=60) == 0
