@@ -86,6 +86,7 @@ int LaunchHere(const std::string& self, const LaunchOptions& options, const Conf
   LaunchPlan plan;
   plan.servers = options.servers;
   plan.timeout_s = options.timeout_s;
+  plan.exit_grace_s = options.exit_grace_s;
   std::vector<std::string> command = options.command;
   command.front() = program;
   for (uint32_t i = 0; i < options.workers; ++i) {

@@ -23,6 +23,8 @@ struct LaunchOptions {
   uint32_t workers = 1;         // on one machine; under srun/mpirun the ranks decide
   bool workers_given = false;
   uint32_t timeout_s = 0;       // on one machine: stop the job after this long (0: never)
+  // on one machine: the job has ended; a worker still evaluating or saving gets this long
+  uint32_t exit_grace_s = 300;
   std::vector<std::string> command;  // the worker program and its arguments
 };
 

@@ -30,7 +30,6 @@ namespace {
 using SteadyClock = std::chrono::steady_clock;
 constexpr int kSchedulerStartMs = 15000;  // a scheduler not listening by then never will
 // Once the scheduler has ended, the rest have this long to end by themselves.
-constexpr std::chrono::seconds kGraceAfterScheduler{2};
 // How long processes asked to stop (SIGTERM) may take before they are killed.
 constexpr std::chrono::seconds kGraceAfterStop{5};
 
@@ -390,6 +389,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   // (It may wait up to 30 s for observers to read the final model: more than that.)
   const auto grace_after_workers =
       std::chrono::milliseconds(job.heartbeat_timeout_ms) + std::chrono::seconds(45);
+  const auto exit_grace = std::chrono::seconds(plan.exit_grace_s);
   std::optional<SteadyClock::time_point> workers_gone;
   std::optional<SteadyClock::time_point> scheduler_gone;
   std::optional<SteadyClock::time_point> terminated;  // when the launcher sent SIGTERM to all
@@ -480,9 +480,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     if (all_done && (scheduler_gone || outcome.interrupted)) break;
     // The job is over once the scheduler is: give the rest a moment, then stop them (a
     // worker stopped by SIGSTOP, say, would never exit by itself).
-    if (scheduler_gone && SteadyClock::now() - *scheduler_gone > kGraceAfterScheduler) {
+    if (scheduler_gone && SteadyClock::now() - *scheduler_gone > exit_grace) {
       kill_all(SIGKILL, fmt::format("still running {} s after the scheduler had ended",
-                                    kGraceAfterScheduler.count()));
+                                    plan.exit_grace_s));
     }
     // A process that does not stop when asked (hung, stopped, its signal not handled yet)
     // is killed after a grace period, not waited for until the job's timeout.

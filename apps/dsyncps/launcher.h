@@ -32,6 +32,9 @@ struct LaunchPlan {
   uint32_t servers = 2;
   std::vector<WorkerLaunch> workers;
   uint32_t timeout_s = 600;  // 0: none
+  // Once the scheduler has ended the job, workers still running are stopped after this long.
+  // Workers of our own exit at once; a user's program may still evaluate and save its model.
+  uint32_t exit_grace_s = 2;
   std::map<std::string, std::string> scheduler_env;  // e.g. DSYNC_MAX_GRADIENTS
 };
 

@@ -253,6 +253,10 @@ int main(int argc, char** argv) {
   lch->add_option("--timeout", launch.timeout_s,
                   "on this machine: stop the job after this many seconds (0: never)")
       ->capture_default_str();
+  lch->add_option("--exit-grace", launch.exit_grace_s,
+                  "on this machine: once the job has ended, give workers this many seconds to "
+                  "finish (evaluate, save) before they are stopped")
+      ->capture_default_str();
 
   // "dsyncps: error:" like every other refusal, so a launcher relaying it shows the reason.
   app.failure_message([](const CLI::App* a, const CLI::Error& e) {
