@@ -53,7 +53,7 @@ int Main(int argc, char** argv) {
   app.add_option("--total-mib", o.total_mib, "model size in MiB");
   app.add_option("--slices-mib", o.slices_mib, "slice sizes in MiB")->delimiter(',');
   app.add_option("--grads", o.grads, "gradients per round")->delimiter(',');
-  app.add_option("--optimizers", o.optimizers, "sgd, momentum, adam, sum")->delimiter(',');
+  app.add_option("--optimizers", o.optimizers, "sgd, momentum, adam, adamw, sum")->delimiter(',');
   app.add_option("--reps", o.reps, "timed rounds per row (after one untimed)");
   CLI11_PARSE(app, argc, argv);
   QuietLogs();

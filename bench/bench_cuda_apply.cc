@@ -68,6 +68,7 @@ cuda::Update UpdateOf(OptimizerKind kind) {
     case OptimizerKind::kSgd: return cuda::Update::kSgd;
     case OptimizerKind::kMomentum: return cuda::Update::kMomentum;
     case OptimizerKind::kAdam: return cuda::Update::kAdam;
+    case OptimizerKind::kAdamW: return cuda::Update::kAdamW;
   }
   return cuda::Update::kSgd;
 }
@@ -80,6 +81,8 @@ bool UsesVec4(cuda::Update u, const float* w, const float* s0, const float* s1, 
     case cuda::Update::kMomentum:
       return cuda::UsesVec4<cuda::Update::kMomentum>(w, s0, s1, g, k, stride);
     case cuda::Update::kAdam: return cuda::UsesVec4<cuda::Update::kAdam>(w, s0, s1, g, k, stride);
+    case cuda::Update::kAdamW:
+      return cuda::UsesVec4<cuda::Update::kAdamW>(w, s0, s1, g, k, stride);
   }
   return false;
 }
@@ -105,7 +108,7 @@ int Main(int argc, char** argv) {
   CLI::App app{"dsyncps GPU apply throughput (the CUDA store's update kernel vs a D2D copy)"};
   app.add_option("--slices-mib", o.slices_mib, "slice sizes in MiB")->delimiter(',');
   app.add_option("--grads", o.grads, "gradients per round")->delimiter(',');
-  app.add_option("--optimizers", o.optimizers, "sgd, momentum, adam, sum")->delimiter(',');
+  app.add_option("--optimizers", o.optimizers, "sgd, momentum, adam, adamw, sum")->delimiter(',');
   app.add_option("--pass-mib", o.pass_mib,
                  "MiB of distinct slices per timed pass (keeps small slices out of L2)");
   app.add_option("--reps", o.reps, "timed passes per row, after the warm-up")->check(CLI::PositiveNumber);

@@ -252,7 +252,7 @@ int Main(int argc, char** argv) {
   app.add_option("--iters", o.iters, "timed iterations per configuration (0: by size)");
   app.add_option("--warmup", o.warmup, "untimed iterations first (buffer pools fill)");
   app.add_option("--slice-mib", o.slice_mib, "slice size in MiB");
-  app.add_option("--optimizer", o.optimizer, "sgd, momentum, adam, sum");
+  app.add_option("--optimizer", o.optimizer, "sgd, momentum, adam, adamw, sum");
   app.add_option("--loopback-chunks-mib", o.loopback_chunks_mib,
                  "send() sizes of the baseline; ratios use the first")
       ->delimiter(',');

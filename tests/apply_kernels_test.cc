@@ -42,12 +42,13 @@ const char* Name(Update u) {
     case Update::kSgd: return "sgd";
     case Update::kMomentum: return "momentum";
     case Update::kAdam: return "adam";
+    case Update::kAdamW: return "adamw";
   }
   return "?";
 }
 
 int StateArraysOf(Update u) {
-  return u == Update::kAdam ? 2 : u == Update::kMomentum ? 1 : 0;
+  return u == Update::kAdam || u == Update::kAdamW ? 2 : u == Update::kMomentum ? 1 : 0;
 }
 
 ps::OptimizerScalars Scalars(uint32_t k) {
@@ -58,9 +59,13 @@ ps::OptimizerScalars Scalars(uint32_t k) {
   s.beta2 = 0.999f;
   s.eps = 1e-8f;
   s.weight_decay = 0.01f;
+  s.dampening_keep = 0.75f;
+  s.one_minus_beta1 = 0.1f;
+  s.one_minus_beta2 = 0.001f;
   s.count = static_cast<float>(k);
-  s.bias_correction1 = 1.0f - 0.9f * 0.9f * 0.9f;  // step 3
-  s.bias_correction2 = 1.0f - 0.999f * 0.999f * 0.999f;
+  s.step_size = 0.01f / (1.0f - 0.9f * 0.9f * 0.9f);  // step 3
+  s.bias_correction2_sqrt = sqrtf(1.0f - 0.999f * 0.999f * 0.999f);
+  s.decoupled_decay = 1.0f - 0.01f * 0.01f;
   return s;
 }
 
@@ -103,6 +108,7 @@ Expected Reference(Update u, uint64_t n, uint32_t k, const ps::OptimizerScalars&
       case Update::kSgd: ps::SgdStep(e.w[i], sum, sc); break;
       case Update::kMomentum: ps::MomentumStep(e.w[i], e.s0[i], sum, sc); break;
       case Update::kAdam: ps::AdamStep(e.w[i], e.s0[i], e.s1[i], sum, sc); break;
+      case Update::kAdamW: ps::AdamWStep(e.w[i], e.s0[i], e.s1[i], sum, sc); break;
     }
   }
   return e;
@@ -193,6 +199,9 @@ void EmulateGrid(Update u, uint64_t threads, float* w, float* s0, float* s1, con
         ApplyThread<Update::kMomentum>(t, threads, w, s0, s1, g, k, stride, n, sc);
         break;
       case Update::kAdam: ApplyThread<Update::kAdam>(t, threads, w, s0, s1, g, k, stride, n, sc); break;
+      case Update::kAdamW:
+        ApplyThread<Update::kAdamW>(t, threads, w, s0, s1, g, k, stride, n, sc);
+        break;
     }
   }
 }
@@ -204,6 +213,7 @@ bool UsesVec4Of(Update u, const float* w, const float* s0, const float* s1, cons
     case Update::kSgd: return UsesVec4<Update::kSgd>(w, s0, s1, g, k, stride);
     case Update::kMomentum: return UsesVec4<Update::kMomentum>(w, s0, s1, g, k, stride);
     case Update::kAdam: return UsesVec4<Update::kAdam>(w, s0, s1, g, k, stride);
+    case Update::kAdamW: return UsesVec4<Update::kAdamW>(w, s0, s1, g, k, stride);
   }
   return false;
 }
@@ -262,7 +272,7 @@ TEST_P(ApplyThreadEmulation, EveryGridAndLayoutMatchesThePlainLoopBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(AllUpdates, ApplyThreadEmulation,
                          ::testing::Values(Update::kSum, Update::kSgd, Update::kMomentum,
-                                           Update::kAdam),
+                                           Update::kAdam, Update::kAdamW),
                          [](const ::testing::TestParamInfo<Update>& param) {
                            return std::string(Name(param.param));
                          });
@@ -317,7 +327,7 @@ TEST(CudaApplyKernels, Vec4AndScalarPathsAgreeBitForBitOnTheDevice) {
     GTEST_SKIP() << "no CUDA device is visible";
   }
   const Inputs& in = TheInputs();
-  for (Update u : {Update::kSum, Update::kSgd, Update::kMomentum, Update::kAdam}) {
+  for (Update u : {Update::kSum, Update::kSgd, Update::kMomentum, Update::kAdam, Update::kAdamW}) {
     for (uint64_t n : {uint64_t{4097}, uint64_t{100003}}) {
       for (uint32_t k : {1u, 3u}) {
         SCOPED_TRACE(fmt::format("{}: n={} k={}", Name(u), n, k));

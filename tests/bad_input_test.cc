@@ -85,6 +85,12 @@ FrameHeader PullHeader(uint32_t tensor, uint32_t slice, uint64_t request) {
   return h;
 }
 
+std::string LearningRateMeta(float lr) {
+  std::vector<std::byte> meta;
+  ps::EncodeLearningRate(lr, meta);
+  return std::string(ps::AsText(meta));
+}
+
 // A gradient no real push sends: applied even once it would show in every element.
 std::vector<float> Poison(size_t n) { return std::vector<float>(n, 1000.0f); }
 
@@ -606,6 +612,10 @@ class BadInputTest : public ::testing::Test {
         {false, MsgType::kHello, "{\"role\": \"worker\", \"tok", StatusCode::kProtocol,
          "hello is not a JSON object"},
         {true, MsgType::kCommit, "", StatusCode::kProtocol, "may not send commit"},
+        // The scheduler's change of the learning rate, from a worker: servers take it from
+        // the scheduler only.
+        {true, MsgType::kLearningRate, LearningRateMeta(100.0f), StatusCode::kProtocol,
+         "may not send learning-rate"},
         {true, MsgType::kHello, HelloMeta("not-the-token"), StatusCode::kPermissionDenied,
          "wrong cluster token"},
     };
@@ -636,7 +646,7 @@ class BadInputTest : public ::testing::Test {
     const auto init = [&](const std::string& name, uint64_t elements, DType dtype,
                           uint64_t request) {
       std::vector<std::byte> meta;
-      ps::EncodeInit({name, elements, 0}, meta);
+      ps::EncodeInit({name, elements, 0, std::nullopt}, meta);
       FrameHeader h = Header(MsgType::kInit, request);
       h.dtype = static_cast<uint8_t>(dtype);
       return c.SendFrame(h, ps::AsText(meta), poison.data(), kSliceBytes);
@@ -667,6 +677,69 @@ class BadInputTest : public ::testing::Test {
     EXPECT_EQ(CountersOf(server0()).pushes, before[0].pushes);
     EXPECT_EQ(server0().stats().slices, 3u) << "no slice was added or replaced";
     ASSERT_NO_FATAL_FAILURE(AfterCase(before, drops.size() + 4, drops.size()));
+  }
+
+  // 15. Changes of the learning rate the scheduler refuses: one that is not finite or is
+  // negative (answered; the worker stays a member and its next change is taken), and any
+  // from an observer. The job's optimizer is sum, so a taken change leaves the model as is.
+  void CaseLearningRateRequests() {
+    SCOPED_TRACE("learning rate");
+    const auto before = Snapshot();
+    uint64_t request = 150;
+    for (float lr : {std::numeric_limits<float>::quiet_NaN(),
+                     std::numeric_limits<float>::infinity(), -0.5f}) {
+      FrameHeader h = Header(MsgType::kSetLearningRate, ++request);
+      h.sender = member_.id();
+      ASSERT_TRUE(member_.SendToScheduler(h, LearningRateMeta(lr)));
+      ASSERT_NO_FATAL_FAILURE(ExpectError(member_.ReadFromScheduler(), RawClient{},
+                                          StatusCode::kInvalidArgument,
+                                          MsgType::kSetLearningRate, request,
+                                          {"must be a finite number >= 0"}));
+    }
+    // Malformed (3 bytes, not a float), from another admitted worker: refused and dropped.
+    Member extra;
+    ASSERT_TRUE(extra.Join(cluster_->config().scheduler_port, kToken));
+    FrameHeader h = Header(MsgType::kSetLearningRate, ++request);
+    h.sender = extra.id();
+    ASSERT_TRUE(extra.SendToScheduler(h, "abc"));
+    ASSERT_NO_FATAL_FAILURE(ExpectError(extra.ReadFromScheduler(), RawClient{},
+                                        StatusCode::kProtocol, MsgType::kSetLearningRate,
+                                        request, {"not 4"}));
+    EXPECT_TRUE(extra.SchedulerClosed()) << "a malformed frame drops the link";
+    extra.Stop();
+    // Its link lost, the worker is declared failed.
+    const auto deadline = SteadyClock::now() + kReplyTimeout;
+    while (cluster_->scheduler().stats().workers_failed == expect_failed_ &&
+           SteadyClock::now() < deadline) {
+      std::this_thread::sleep_for(2ms);
+    }
+    ++expect_failed_;
+    // The real worker, through the API: refused before anything is sent.
+    auto bad = worker_->SetLearningRate(std::numeric_limits<float>::infinity());
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    auto good = worker_->SetLearningRate(0.25f);
+    ASSERT_TRUE(good.ok()) << good.status().ToString();
+    EXPECT_EQ(*good, completed_) << "the first round not yet announced";
+    // An observer may not.
+    Member observer;
+    ASSERT_TRUE(observer.Join(cluster_->config().scheduler_port, kToken, /*observer=*/true));
+    h = Header(MsgType::kSetLearningRate, ++request);
+    h.sender = observer.id();
+    ASSERT_TRUE(observer.SendToScheduler(h, LearningRateMeta(0.5f)));
+    ASSERT_NO_FATAL_FAILURE(ExpectError(observer.ReadFromScheduler(), RawClient{},
+                                        StatusCode::kPermissionDenied,
+                                        MsgType::kSetLearningRate, request, {"read-only"}));
+    Config oc = cluster_->WorkerConfig();
+    oc.observer = true;
+    auto api_observer = Worker::Start(oc);
+    ASSERT_TRUE(api_observer.ok()) << api_observer.status().ToString();
+    auto refused = (*api_observer)->SetLearningRate(0.5f);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied);
+    ASSERT_TRUE((*api_observer)->Leave().ok());
+    observer.Stop();
+    ASSERT_NO_FATAL_FAILURE(AfterCase(before, 0, 0));
   }
 
   // 13. Impostors at a server's door: a second link under an admitted id, an admitted
@@ -945,6 +1018,11 @@ TEST_F(BadInputTest, SchedulerDropsRandomBytesAndRefusesStrangers) {
 
 TEST_F(BadInputTest, OtherHandshakesAndRequestsAreRefused) {
   ASSERT_NO_FATAL_FAILURE(CaseOtherRefusals());
+  Finish();
+}
+
+TEST_F(BadInputTest, LearningRateChangesThatAreNotFiniteOrFromObserversAreRefused) {
+  ASSERT_NO_FATAL_FAILURE(CaseLearningRateRequests());
   Finish();
 }
 

@@ -5,10 +5,13 @@
 
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <numeric>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "cluster_harness.h"
 #include "ps/optimizer.h"
@@ -471,6 +474,269 @@ TEST(Cluster, ObserverReadsTheNewestModelWithoutHoldingRounds) {
   ASSERT_EQ(history.size(), kIters);
   for (const RoundRecord& r : history) EXPECT_EQ(r.live_workers, static_cast<uint32_t>(kWorkers));
   EXPECT_EQ(cluster.scheduler().stats().workers_joined, static_cast<uint32_t>(kWorkers));
+}
+
+// --- Per-tensor optimizers ----------------------------------------------------------------
+
+// The gradient worker `rank` pushes for element i of tensor `t` at step `step`: deterministic,
+// of both signs, never zero.
+float TensorGradient(uint32_t t, uint32_t rank, uint32_t step, uint32_t i) {
+  return static_cast<float>(static_cast<int>((i * 7 + step * 3 + rank * 5 + t) % 11) - 5) * 0.1f +
+         0.05f;
+}
+
+// One tensor as the servers should update it: its optimizer's math (ps/optimizer_math.h) over
+// the round's sum in worker-id order, as the CPU store computes it.
+struct TensorReference {
+  OptimizerConfig opt;
+  std::vector<float> w, s0, s1;
+  void Step(uint32_t t, uint32_t step, uint32_t workers) {
+    const auto sc = ps::MakeOptimizerScalars(opt, step + 1, workers);
+    for (uint32_t i = 0; i < w.size(); ++i) {
+      float sum = TensorGradient(t, 0, step, i);
+      for (uint32_t r = 1; r < workers; ++r) sum += TensorGradient(t, r, step, i);
+      switch (opt.kind) {
+        case OptimizerKind::kSgd: ps::SgdStep(w[i], sum, sc); break;
+        case OptimizerKind::kMomentum: ps::MomentumStep(w[i], s0[i], sum, sc); break;
+        case OptimizerKind::kAdam: ps::AdamStep(w[i], s0[i], s1[i], sum, sc); break;
+        case OptimizerKind::kAdamW: ps::AdamWStep(w[i], s0[i], s1[i], sum, sc); break;
+        case OptimizerKind::kSum: ps::SumStep(w[i], sum); break;
+      }
+    }
+  }
+};
+
+// Three tensors in one job, each cut into slices over both servers: one with adam, one with
+// the job's sgd, one with nesterov momentum; each ends bit for bit where its own optimizer
+// takes it. A later registration asking another optimizer for a tensor is refused, naming
+// the tensor and both settings, and the job carries on; one differing in lr only is taken.
+TEST(Cluster, EachTensorRunsTheOptimizerItWasRegisteredWith) {
+  constexpr uint32_t kWorkers = 2, kSteps = 6;
+  Config cfg = TestConfig("bsp", 2, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSgd;
+  cfg.optimizer.lr = 0.1f;
+  cfg.slice_bytes = 64;  // 16 floats a slice
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::kAdam;
+  adam.lr = 0.01f;
+  adam.weight_decay = 0.01f;
+  OptimizerConfig nesterov;
+  nesterov.kind = OptimizerKind::kMomentum;
+  nesterov.lr = 0.05f;
+  nesterov.momentum = 0.8f;
+  nesterov.nesterov = true;
+  const std::vector<std::string> names = {"a", "b", "c"};
+  const std::vector<TensorOptions> options = {{adam}, {}, {nesterov}};
+  const std::vector<size_t> sizes = {40, 30, 20};
+  std::vector<TensorReference> ref;
+  for (size_t t = 0; t < 3; ++t) {
+    std::vector<float> init(sizes[t]);
+    for (size_t i = 0; i < init.size(); ++i) init[i] = 0.5f + 0.01f * static_cast<float>(i + t);
+    ref.push_back({options[t].optimizer.value_or(cfg.optimizer), init,
+                   std::vector<float>(init.size()), std::vector<float>(init.size())});
+  }
+
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), kWorkers);
+  std::vector<std::vector<std::vector<float>>> params(kWorkers);
+  std::vector<std::vector<TensorId>> ids(kWorkers);
+  auto train = [&](uint32_t from, uint32_t to) {
+    std::vector<std::thread> threads;
+    for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+      threads.emplace_back([&, rank] {
+        Worker& w = *workers[rank];
+        if (from == 0) {
+          for (size_t t = 0; t < 3; ++t) {
+            params[rank].push_back(ref[t].w);
+            auto id = w.Register(names[t], params[rank][t], options[t]);
+            ASSERT_TRUE(id.ok()) << id.status().ToString();
+            ids[rank].push_back(*id);
+          }
+        }
+        std::vector<std::vector<float>> grads(3);
+        for (uint32_t step = from; step < to; ++step) {
+          for (size_t t = 0; t < 3; ++t) {
+            ASSERT_TRUE(w.Wait(w.Pull(ids[rank][t], params[rank][t].data())).ok());
+          }
+          for (uint32_t t = 0; t < 3; ++t) {
+            grads[t].resize(sizes[t]);
+            for (uint32_t i = 0; i < sizes[t]; ++i) grads[t][i] = TensorGradient(t, rank, step, i);
+            w.Push(ids[rank][t], grads[t].data());
+          }
+          const Status pushed = w.WaitAll();
+          ASSERT_TRUE(pushed.ok()) << pushed.ToString();
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+  };
+  train(0, kSteps / 2);
+
+  // An observer registering 'a' with sgd: refused on the servers holding its slices.
+  auto observer = StartObserver(cluster);
+  ASSERT_TRUE(observer.ok()) << observer.status().ToString();
+  std::vector<float> probe(sizes[0]);
+  OptimizerConfig other = cfg.optimizer;
+  auto refused = (*observer)->Register("a", probe, {other});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  const std::string& why = refused.status().message();
+  EXPECT_NE(why.find("tensor 0 'a' runs adam(lr 0.01, beta1 0.9, beta2 0.999, eps 1e-08, "
+                     "weight_decay 0.01)"),
+            std::string::npos)
+      << why;
+  EXPECT_NE(why.find("registers it with sgd(lr 0.1, weight_decay 0)"), std::string::npos) << why;
+  // The job's optimizer, asked for implicitly, is no different from asking for it.
+  auto implicit = (*observer)->Register("a", probe);
+  ASSERT_FALSE(implicit.ok());
+  EXPECT_NE(implicit.status().message().find("registers it with sgd(lr 0.1"), std::string::npos);
+  // The learning rate may differ.
+  OptimizerConfig faster = adam;
+  faster.lr = 0.5f;
+  auto taken = (*observer)->Register("a", probe, {faster});
+  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+  EXPECT_EQ(*taken, 0u);
+
+  train(kSteps / 2, kSteps);
+  for (uint32_t step = 0; step < kSteps; ++step) {
+    for (uint32_t t = 0; t < 3; ++t) ref[t].Step(t, step, kWorkers);
+  }
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    Worker& w = *workers[rank];
+    for (size_t t = 0; t < 3; ++t) {
+      SCOPED_TRACE(fmt::format("worker {} tensor {}", rank, names[t]));
+      Version version = 0;
+      ASSERT_TRUE(w.Wait(w.Pull(ids[rank][t], params[rank][t].data()), &version).ok());
+      EXPECT_EQ(version, kSteps);
+      for (size_t i = 0; i < sizes[t]; ++i) {
+        ASSERT_EQ(params[rank][t][i], ref[t].w[i]) << "element " << i;
+      }
+    }
+  }
+  // Different optimizers really were at work: the same gradients took them apart.
+  EXPECT_NE(ref[0].w[0], ref[1].w[0]);
+  ASSERT_TRUE((*observer)->Leave().ok());
+  for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
+  ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(10)).ok());
+  EXPECT_EQ(cluster.scheduler().history().size(), kSteps);
+}
+
+// --- Learning-rate changes ----------------------------------------------------------------
+
+// Two workers change the learning rate between iterations of a bsp job whose tensors span
+// both servers (one with the job's sgd, one with its own momentum): every element of the
+// model is what the new rate gives from exactly the round SetLearningRate returned, so every
+// server switched at that round; the audit log records each change.
+TEST(Cluster, LearningRateChangesApplyFromTheRoundTheSchedulerPicksOnEveryServer) {
+  constexpr uint32_t kWorkers = 2, kSteps = 9;
+  Config cfg = TestConfig("bsp", 2, kWorkers);
+  cfg.optimizer.kind = OptimizerKind::kSgd;
+  cfg.optimizer.lr = 0.1f;
+  cfg.slice_bytes = 64;  // 16 floats a slice: both tensors span both servers
+  const std::string audit = ::testing::TempDir() + "/lr_audit.jsonl";
+  std::remove(audit.c_str());
+  cfg.audit_log = audit;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+
+  OptimizerConfig momentum;
+  momentum.kind = OptimizerKind::kMomentum;
+  momentum.lr = 0.3f;
+  momentum.momentum = 0.5f;
+  const std::vector<TensorOptions> options = {{}, {momentum}};
+  const std::vector<size_t> sizes = {50, 33};
+  std::vector<TensorReference> ref;
+  for (size_t t = 0; t < 2; ++t) {
+    std::vector<float> init(sizes[t]);
+    for (size_t i = 0; i < init.size(); ++i) init[i] = 1.0f - 0.02f * static_cast<float>(i);
+    ref.push_back({options[t].optimizer.value_or(cfg.optimizer), init,
+                   std::vector<float>(init.size()), std::vector<float>(init.size())});
+  }
+  // Worker r changes the rate to kRates[r] before its iteration kAt[r].
+  const float kRates[kWorkers] = {0.02f, 0.005f};
+  const uint32_t kAt[kWorkers] = {3, 6};
+  Round changed_at[kWorkers] = {0, 0};
+
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), kWorkers);
+  std::vector<std::vector<std::vector<float>>> params(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    threads.emplace_back([&, rank] {
+      Worker& w = *workers[rank];
+      std::vector<TensorId> ids;
+      for (size_t t = 0; t < 2; ++t) {
+        params[rank].push_back(ref[t].w);
+        auto id = w.Register(t == 0 ? "w" : "v", params[rank][t], options[t]);
+        ASSERT_TRUE(id.ok()) << id.status().ToString();
+        ids.push_back(*id);
+      }
+      std::vector<std::vector<float>> grads(2);
+      for (uint32_t step = 0; step < kSteps; ++step) {
+        if (step == kAt[rank]) {
+          auto r = w.SetLearningRate(kRates[rank]);
+          ASSERT_TRUE(r.ok()) << r.status().ToString();
+          changed_at[rank] = *r;
+        }
+        for (size_t t = 0; t < 2; ++t) {
+          ASSERT_TRUE(w.Wait(w.Pull(ids[t], params[rank][t].data())).ok());
+        }
+        for (uint32_t t = 0; t < 2; ++t) {
+          grads[t].resize(sizes[t]);
+          for (uint32_t i = 0; i < sizes[t]; ++i) grads[t][i] = TensorGradient(t, rank, step, i);
+          w.Push(ids[t], grads[t].data());
+        }
+        const Status pushed = w.WaitAll();
+        ASSERT_TRUE(pushed.ok()) << pushed.ToString();
+      }
+      for (size_t t = 0; t < 2; ++t) {
+        Version v = 0;
+        ASSERT_TRUE(w.Wait(w.Pull(ids[t], params[rank][t].data()), &v).ok());
+        EXPECT_EQ(v, kSteps);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  // Worker r had committed its gradient of step kAt[r] - 1 (round kAt[r] - 1) when it asked:
+  // that round, if not yet announced (the other worker's gradient missing), else the next.
+  for (uint32_t r = 0; r < kWorkers; ++r) {
+    EXPECT_GE(changed_at[r], kAt[r] - 1) << "worker " << r;
+    EXPECT_LE(changed_at[r], kAt[r]) << "worker " << r;
+  }
+
+  for (uint32_t step = 0; step < kSteps; ++step) {
+    for (uint32_t t = 0; t < 2; ++t) {
+      TensorReference& tr = ref[t];
+      for (uint32_t r = 0; r < kWorkers; ++r) {
+        if (step >= changed_at[r]) tr.opt.lr = kRates[r];  // changes in the order made
+      }
+      tr.Step(t, step, kWorkers);
+    }
+  }
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    for (size_t t = 0; t < 2; ++t) {
+      for (size_t i = 0; i < sizes[t]; ++i) {
+        ASSERT_EQ(params[rank][t][i], ref[t].w[i])
+            << "worker " << rank << " tensor " << t << " element " << i;
+      }
+    }
+  }
+  for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
+  ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(10)).ok());
+
+  std::ifstream log(audit);
+  std::string line, lr_lines;
+  while (std::getline(log, line)) {
+    if (line.starts_with("{\"lr\":")) lr_lines += line + "\n";
+  }
+  EXPECT_EQ(lr_lines,
+            fmt::format("{{\"lr\":{{\"from_round\":{},\"value\":0.02,\"worker\":{}}}}}\n"
+                        "{{\"lr\":{{\"from_round\":{},\"value\":0.005,\"worker\":{}}}}}\n",
+                        changed_at[0], workers[0]->job().worker_id, changed_at[1],
+                        workers[1]->job().worker_id));
 }
 
 TEST(Cluster, AnObserverThatVanishesDoesNotHoldTheJob) {

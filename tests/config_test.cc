@@ -104,7 +104,9 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   c.num_servers = 3;
   c.num_workers = 7;
   c.sync = SyncMode::Dsync(2, 5);
-  c.optimizer = {OptimizerKind::kAdam, 0.1f / 3.0f, 0.5f, 0.8f, 0.95f, 1e-7f, 1e-4f};
+  c.optimizer = {.kind = OptimizerKind::kMomentum, .lr = 0.1f / 3.0f, .momentum = 0.5f,
+                 .dampening = 0.0f, .nesterov = true, .beta1 = 0.8f, .beta2 = 0.95f,
+                 .eps = 1e-7f, .weight_decay = 1e-4f};
   c.slice_bytes = 123456;
   c.max_gradients = 999;
   c.heartbeat_interval_ms = 250;
@@ -313,7 +315,7 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
   EXPECT_NE(lr.status().message().find("DSYNC_LR"), std::string::npos);
   auto opt = Config::FromEnvironment({{"DSYNC_OPTIMIZER", "lamb"}});
   ASSERT_FALSE(opt.ok());
-  EXPECT_NE(opt.status().message().find("sgd, momentum, adam, sum"), std::string::npos);
+  EXPECT_NE(opt.status().message().find("sgd, momentum, adam, adamw, sum"), std::string::npos);
 }
 
 TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {
@@ -471,6 +473,8 @@ TEST(ConfigValidate, RefusesOptimizerHyperparametersOutOfRange) {
       {&OptimizerConfig::eps, inf, "--eps"},
       {&OptimizerConfig::weight_decay, nan, "--weight-decay, DSYNC_WEIGHT_DECAY"},
       {&OptimizerConfig::weight_decay, -1.0f, "a finite number >= 0"},
+      {&OptimizerConfig::dampening, 1.5f, "--dampening, DSYNC_DAMPENING"},
+      {&OptimizerConfig::dampening, nan, "in [0, 1]"},
   };
   for (const Case& k : cases) {
     Config c = WithToken();
@@ -486,6 +490,44 @@ TEST(ConfigValidate, RefusesOptimizerHyperparametersOutOfRange) {
   edges.optimizer.beta2 = 0.9999f;
   edges.optimizer.weight_decay = 0.0f;
   EXPECT_TRUE(edges.Validate().ok()) << edges.Validate().ToString();
+  // Nesterov as torch.optim.SGD takes it: the momentum optimizer, momentum > 0, no dampening.
+  struct Nesterov {
+    OptimizerKind kind;
+    float momentum, dampening;
+    const char* expect;  // empty: accepted
+  };
+  const Nesterov nesterov[] = {
+      {OptimizerKind::kMomentum, 0.9f, 0.0f, ""},
+      {OptimizerKind::kMomentum, 0.0f, 0.0f, "requires a momentum > 0 and zero dampening"},
+      {OptimizerKind::kMomentum, 0.9f, 0.1f, "requires a momentum > 0 and zero dampening"},
+      {OptimizerKind::kSgd, 0.9f, 0.0f, "the momentum optimizer only, not sgd"},
+      {OptimizerKind::kAdamW, 0.9f, 0.0f, "the momentum optimizer only, not adamw"},
+  };
+  for (const Nesterov& n : nesterov) {
+    Config c = WithToken();
+    c.optimizer.kind = n.kind;
+    c.optimizer.nesterov = true;
+    c.optimizer.momentum = n.momentum;
+    c.optimizer.dampening = n.dampening;
+    const Status s = c.Validate();
+    if (*n.expect == '\0') {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      continue;
+    }
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(n.expect), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("DSYNC_NESTEROV"), std::string::npos) << s.message();
+  }
+  auto switched = Config::FromEnvironment(
+      {{"DSYNC_OPTIMIZER", "momentum"}, {"DSYNC_NESTEROV", "1"}, {"DSYNC_DAMPENING", "0"}});
+  ASSERT_TRUE(switched.ok()) << switched.status().ToString();
+  EXPECT_TRUE(switched->optimizer.nesterov);
+  EXPECT_EQ(Config::FromEnvironment({{"DSYNC_NESTEROV", "yes"}}).status().code(),
+            StatusCode::kInvalidArgument);
+  auto adamw = Config::FromEnvironment({{"DSYNC_OPTIMIZER", "adamw"}});
+  ASSERT_TRUE(adamw.ok());
+  EXPECT_EQ(adamw->optimizer.kind, OptimizerKind::kAdamW);
+  EXPECT_EQ(adamw->optimizer.weight_decay, 0.0f) << "one default for every optimizer";
   // The environment's text reaches the same check.
   auto from_env = Config::FromEnvironment({{"DSYNC_MOMENTUM", "nan"}});
   ASSERT_TRUE(from_env.ok());

@@ -12,6 +12,7 @@ __global__ void OptimizerMathProbe(float* w, float* m, float* v, const float* su
   SgdStep(w[i], sum[i], s);
   MomentumStep(w[i], m[i], sum[i], s);
   AdamStep(w[i], m[i], v[i], sum[i], s);
+  AdamWStep(w[i], m[i], v[i], sum[i], s);
 }
 
 }  // namespace dsync::ps

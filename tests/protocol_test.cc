@@ -2,6 +2,9 @@
 // truncated input, tokens compared in full.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
+
 #include "ps/commit_proof.h"
 #include "ps/handshake.h"
 #include "ps/keys.h"
@@ -55,7 +58,7 @@ TEST(FrameHeader, EachMessageReadsItsOwnNamedFields) {
   ack.set_min_version(kNoGate);
   EXPECT_EQ(ack.round(), 12u);
   EXPECT_EQ(ack.min_version(), kNoGate);
-  EXPECT_EQ(kProtocolVersion, 2u) << "the wire changed: credentials, receipts, named fields";
+  EXPECT_EQ(kProtocolVersion, 3u) << "the wire changed: learning-rate changes, per-tensor optimizers";
 }
 
 TEST(FrameHeader, StrangersMaySendOneSmallHelloOnly) {
@@ -132,7 +135,7 @@ TEST(CommitCodec, RoundTripsAndRefusesATensorNamedTwice) {
 }
 
 TEST(InitCodec, RoundTripsAndRejectsGarbage) {
-  InitMeta in{"layer1.weight", 123456, 4096};
+  InitMeta in{"layer1.weight", 123456, 4096, std::nullopt};
   std::vector<std::byte> buf;
   EncodeInit(in, buf);
   InitMeta out;
@@ -140,8 +143,80 @@ TEST(InitCodec, RoundTripsAndRejectsGarbage) {
   EXPECT_EQ(out.name, in.name);
   EXPECT_EQ(out.tensor_elements, in.tensor_elements);
   EXPECT_EQ(out.slice_offset, in.slice_offset);
+  EXPECT_FALSE(out.optimizer.has_value());
   buf.resize(buf.size() - 1);
   EXPECT_FALSE(DecodeInit(buf, out).ok());
+}
+
+// A tensor's own optimizer travels whole, and every field is checked on the way in: a kind
+// beyond the known ones, a flag that is not 0 or 1, a hyperparameter out of range or not
+// finite, or bytes left over, are protocol errors.
+TEST(InitCodec, CarriesATensorsOptimizerAndChecksEveryField) {
+  OptimizerConfig o;
+  o.kind = OptimizerKind::kMomentum;
+  o.lr = 0.125f;
+  o.momentum = 0.75f;
+  o.nesterov = true;
+  o.weight_decay = 1e-3f;
+  InitMeta in{"w", 10, 0, o};
+  std::vector<std::byte> good;
+  EncodeInit(in, good);
+  InitMeta out;
+  ASSERT_TRUE(DecodeInit(good, out).ok());
+  ASSERT_TRUE(out.optimizer.has_value());
+  EXPECT_EQ(*out.optimizer, o);
+  // Layout after the name: has-optimizer, kind, nesterov, then 7 floats.
+  const size_t at = good.size() - 2 - 7 * sizeof(float);
+  const auto refused = [&](std::vector<std::byte> bytes, const char* mention) {
+    InitMeta x;
+    const Status st = DecodeInit(bytes, x);
+    EXPECT_EQ(st.code(), StatusCode::kProtocol) << mention;
+    EXPECT_NE(st.message().find(mention), std::string::npos) << st.message();
+  };
+  auto bytes = good;
+  bytes[at - 1] = std::byte{2};
+  refused(bytes, "malformed");  // has-optimizer neither 0 nor 1
+  bytes = good;
+  bytes[at] = std::byte{5};
+  refused(bytes, "malformed");  // no such kind
+  bytes = good;
+  bytes[at + 1] = std::byte{7};
+  refused(bytes, "malformed");  // nesterov neither 0 nor 1
+  bytes = good;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bytes.data() + at + 2, &nan, sizeof nan);  // lr
+  refused(bytes, "learning rate");
+  bytes = good;
+  const float negative = -1.0f;
+  std::memcpy(bytes.data() + at + 2 + 6 * sizeof(float), &negative, sizeof negative);
+  refused(bytes, "weight decay");
+  bytes = good;
+  bytes[at + 1] = std::byte{1};
+  const float dampened = 0.5f;  // nesterov with dampening: torch refuses it too
+  std::memcpy(bytes.data() + at + 2 + 2 * sizeof(float), &dampened, sizeof dampened);
+  refused(bytes, "nesterov");
+  bytes = good;
+  bytes.push_back(std::byte{0});
+  refused(bytes, "malformed");
+  bytes = good;
+  bytes.pop_back();
+  refused(bytes, "malformed");
+}
+
+TEST(LearningRateCodec, RoundTripsAndRefusesWhatIsNotARate) {
+  std::vector<std::byte> buf;
+  EncodeLearningRate(0.0625f, buf);
+  auto lr = DecodeLearningRate(buf);
+  ASSERT_TRUE(lr.ok());
+  EXPECT_EQ(*lr, 0.0625f);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity(), -1e-3f}) {
+    EncodeLearningRate(bad, buf);
+    EXPECT_EQ(DecodeLearningRate(buf).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  buf.push_back(std::byte{0});
+  EXPECT_EQ(DecodeLearningRate(buf).status().code(), StatusCode::kProtocol);
+  EXPECT_EQ(DecodeLearningRate({}).status().code(), StatusCode::kProtocol);
 }
 
 TEST(Handshake, HelloAndWelcomeRoundTrip) {

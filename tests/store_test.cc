@@ -62,7 +62,9 @@ struct Reference {
         w[i] += sum;
         continue;
       }
-      const double g = sum / static_cast<double>(grads.size()) + o.weight_decay * w[i];
+      if (o.kind == OptimizerKind::kAdamW) w[i] *= 1 - static_cast<double>(o.lr) * o.weight_decay;
+      const double g = sum / static_cast<double>(grads.size()) +
+                       (o.kind == OptimizerKind::kAdamW ? 0.0 : o.weight_decay * w[i]);
       switch (o.kind) {
         case OptimizerKind::kSgd:
           w[i] -= o.lr * g;
@@ -71,7 +73,8 @@ struct Reference {
           s0[i] = o.momentum * s0[i] + g;
           w[i] -= o.lr * s0[i];
           break;
-        case OptimizerKind::kAdam: {
+        case OptimizerKind::kAdam:
+        case OptimizerKind::kAdamW: {
           s0[i] = o.beta1 * s0[i] + (1 - o.beta1) * g;
           s1[i] = o.beta2 * s1[i] + (1 - o.beta2) * g * g;
           const double mh = s0[i] / (1 - std::pow(static_cast<double>(o.beta1), t));
@@ -97,7 +100,7 @@ OptimizerConfig Optimizer(OptimizerKind kind) {
 
 TEST_P(StoreTest, EveryOptimizerMatchesTheReferenceOverSeveralRounds) {
   for (OptimizerKind kind : {OptimizerKind::kSum, OptimizerKind::kSgd, OptimizerKind::kMomentum,
-                             OptimizerKind::kAdam}) {
+                             OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
     SCOPED_TRACE(std::string(OptimizerName(kind)));
     for (size_t n : {size_t{1}, size_t{3}, size_t{4099}, size_t{10007}}) {
       const SliceKey key = MakeSliceKey(static_cast<uint32_t>(kind), static_cast<uint32_t>(n));
@@ -298,6 +301,180 @@ TEST_P(StoreTest, DeviceBuffersServeAsGradientsInitialValuesAndReadTargets) {
 #endif
 }
 
+// torch.optim's single-tensor formulas (PyTorch 1.13, foreach=False, amsgrad=False), written
+// here in double from torch's source, independently of optimizer_math.h: SGD with momentum,
+// dampening and nesterov (the buffer starts as a copy of the first gradient), Adam with its
+// L2 decay in the gradient, AdamW with decoupled decay.
+struct TorchReference {
+  OptimizerConfig o;
+  std::vector<double> w, buf, m, v;
+  uint64_t t = 0;
+
+  void Step(const std::vector<std::vector<float>>& grads) {
+    ++t;
+    const double lr = o.lr, wd = o.weight_decay, mu = o.momentum, damp = o.dampening;
+    const double b1 = o.beta1, b2 = o.beta2, eps = o.eps;
+    const double bc1 = 1 - std::pow(b1, static_cast<double>(t));
+    const double bc2 = 1 - std::pow(b2, static_cast<double>(t));
+    for (size_t i = 0; i < w.size(); ++i) {
+      double d = 0;
+      for (const auto& g : grads) d += g[i];
+      d /= static_cast<double>(grads.size());
+      if (o.kind == OptimizerKind::kAdamW) {
+        w[i] *= 1 - lr * wd;
+      } else {
+        d += wd * w[i];
+      }
+      switch (o.kind) {
+        case OptimizerKind::kSgd:
+          w[i] -= lr * d;
+          break;
+        case OptimizerKind::kMomentum:
+          buf[i] = t == 1 ? d : mu * buf[i] + (1 - damp) * d;
+          d = o.nesterov ? d + mu * buf[i] : buf[i];
+          w[i] -= lr * d;
+          break;
+        case OptimizerKind::kAdam:
+        case OptimizerKind::kAdamW: {
+          m[i] = b1 * m[i] + (1 - b1) * d;
+          v[i] = b2 * v[i] + (1 - b2) * d * d;
+          const double denom = std::sqrt(v[i]) / std::sqrt(bc2) + eps;
+          w[i] -= (lr / bc1) * m[i] / denom;
+          break;
+        }
+        case OptimizerKind::kSum:
+          break;
+      }
+    }
+  }
+};
+
+// 25 rounds of 1 and of 3 gradients, elements in five magnitudes (1e-3 .. 1e2), against
+// torch's formulas in double: relative error <= 1e-6 on every element, the denominator
+// max(|reference|, 1e-3). The gradients lean away from zero on each element (with noise of
+// either sign), so no weight crosses zero, where a relative error means nothing.
+TEST_P(StoreTest, MatchesTorchOptimFormulasWithinOneMillionthRelative) {
+  struct Case {
+    const char* what;
+    OptimizerConfig o;
+  };
+  const auto make = [](OptimizerKind kind, float lr, float wd) {
+    OptimizerConfig o;
+    o.kind = kind;
+    o.lr = lr;
+    o.weight_decay = wd;
+    o.momentum = 0.9f;
+    return o;
+  };
+  std::vector<Case> cases;
+  for (float wd : {0.0f, 0.01f}) {
+    cases.push_back({"sgd", make(OptimizerKind::kSgd, 0.01f, wd)});
+    cases.push_back({"momentum", make(OptimizerKind::kMomentum, 0.01f, wd)});
+    OptimizerConfig damp = make(OptimizerKind::kMomentum, 0.01f, wd);
+    damp.dampening = 0.3f;
+    damp.momentum = 0.8f;
+    cases.push_back({"momentum, dampening 0.3", damp});
+    OptimizerConfig nesterov = make(OptimizerKind::kMomentum, 0.01f, wd);
+    nesterov.nesterov = true;
+    cases.push_back({"momentum, nesterov", nesterov});
+    cases.push_back({"adam", make(OptimizerKind::kAdam, 0.01f, wd)});
+    OptimizerConfig betas = make(OptimizerKind::kAdam, 0.003f, wd);
+    betas.beta1 = 0.8f;
+    betas.beta2 = 0.99f;
+    betas.eps = 1e-6f;
+    cases.push_back({"adam, betas 0.8 0.99, eps 1e-6", betas});
+    // torch's default decay for AdamW. Its factor 1 - lr * wd, rounded to float once per
+    // round as in torch, alone may drift up to 25 x 3e-8 from the double reference.
+    cases.push_back({"adamw", make(OptimizerKind::kAdamW, 0.01f, wd)});
+  }
+  constexpr size_t kN = 1003;
+  constexpr uint32_t kRounds = 25;
+  const float kScales[] = {1e-3f, 1e-1f, 1.0f, 10.0f, 100.0f};
+  uint32_t slice = 0;
+  for (const Case& c : cases) {
+    ASSERT_TRUE(ValidateOptimizer(c.o).ok()) << c.what;
+    for (uint32_t k : {1u, 3u}) {
+      SCOPED_TRACE(fmt::format("{}, weight decay {}, {} gradient(s) per round", c.what,
+                               c.o.weight_decay, k));
+      const SliceKey key = MakeSliceKey(77, slice++);
+      std::vector<float> init = Random(kN, 11 + slice, 0.5f, 2.0f);
+      const std::vector<float> sign = Random(kN, 13 + slice);
+      for (size_t i = 0; i < kN; ++i) init[i] *= kScales[i % 5] * (sign[i] < 0 ? -1.0f : 1.0f);
+      ASSERT_TRUE(store_->InitSlice(key, init).ok());
+      TorchReference ref{c.o, {init.begin(), init.end()}, std::vector<double>(kN),
+                         std::vector<double>(kN), std::vector<double>(kN)};
+      for (uint32_t round = 0; round < kRounds; ++round) {
+        std::vector<std::vector<float>> grads;
+        for (uint32_t j = 0; j < k; ++j) {
+          std::vector<float> lean = Random(kN, 1000 + round * 7 + j, 0.2f, 1.0f);
+          const std::vector<float> noise = Random(kN, 5000 + round * 7 + j, -0.3f, 0.3f);
+          for (size_t i = 0; i < kN; ++i) {
+            // Away from zero: a weight w > 0 gets gradients < 0 on the whole (w -= lr g).
+            lean[i] = kScales[i % 5] * ((init[i] > 0 ? -lean[i] : lean[i]) + noise[i]);
+          }
+          grads.push_back(std::move(lean));
+        }
+        std::vector<const float*> ptrs;
+        for (const auto& g : grads) ptrs.push_back(g.data());
+        ASSERT_TRUE(store_->ApplyRound(key, ptrs, c.o).ok());
+        ref.Step(grads);
+      }
+      std::vector<float> out(kN, std::numeric_limits<float>::quiet_NaN());  // poisoned
+      ASSERT_TRUE(store_->Read(key, out).ok());
+      double worst = 0;
+      size_t worst_at = 0;
+      for (size_t i = 0; i < kN; ++i) {
+        const double rel = std::abs(out[i] - ref.w[i]) / std::max(std::abs(ref.w[i]), 1e-3);
+        if (!(rel <= worst)) {
+          worst = rel;
+          worst_at = i;
+        }
+      }
+      // AdamW rounds twice per round, as torch does (w *= 1 - lr wd, then w -= step): over 25
+      // rounds float32's own rounding reaches ~1.5e-6 of the double reference, in torch too.
+      const double tolerance = c.o.kind == OptimizerKind::kAdamW ? 2e-6 : 1e-6;
+      EXPECT_LE(worst, tolerance) << "element " << worst_at << ": " << out[worst_at] << " vs "
+                                  << ref.w[worst_at];
+      RecordProperty(fmt::format("worst_{}", slice), fmt::format("{}: {:.3g}", c.what, worst));
+      // The weights moved: a store that ignored the rounds would not pass by accident.
+      EXPECT_NE(out[0], init[0]);
+    }
+  }
+}
+
+// What tells torch's formulas from the old ones: with dampening, the momentum buffer's first
+// value is the gradient itself (not (1 - dampening) times it); with nesterov, the step is
+// g + momentum * buf.
+TEST_P(StoreTest, MomentumStartsItsBufferUndampedAndNesterovLooksAhead) {
+  OptimizerConfig o;
+  o.kind = OptimizerKind::kMomentum;
+  o.lr = 0.5f;
+  o.momentum = 0.5f;
+  o.dampening = 0.5f;
+  const SliceKey key = MakeSliceKey(78, 0);
+  ASSERT_TRUE(store_->InitSlice(key, std::vector<float>{1.0f}).ok());
+  const std::vector<float> g{1.0f};
+  const float* one[] = {g.data()};
+  std::vector<float> out(1);
+  ASSERT_TRUE(store_->ApplyRound(key, one, o).ok());  // buf = 1; w = 1 - 0.5
+  ASSERT_TRUE(store_->Read(key, out).ok());
+  EXPECT_EQ(out[0], 0.5f);
+  ASSERT_TRUE(store_->ApplyRound(key, one, o).ok());  // buf = 0.5 + 0.5 = 1; w = 0.5 - 0.5
+  ASSERT_TRUE(store_->Read(key, out).ok());
+  EXPECT_EQ(out[0], 0.0f);
+
+  o.dampening = 0.0f;
+  o.nesterov = true;
+  const SliceKey nkey = MakeSliceKey(78, 1);
+  ASSERT_TRUE(store_->InitSlice(nkey, std::vector<float>{1.0f}).ok());
+  ASSERT_TRUE(store_->ApplyRound(nkey, one, o).ok());  // buf = 1; g = 1 + 0.5; w = 1 - 0.75
+  ASSERT_TRUE(store_->Read(nkey, out).ok());
+  EXPECT_EQ(out[0], 0.25f);
+  ASSERT_TRUE(store_->ApplyRound(nkey, one, o).ok());  // buf = 1.5; g = 1.75; w = 0.25 - 0.875
+  ASSERT_TRUE(store_->Read(nkey, out).ok());
+  EXPECT_EQ(out[0], -0.625f);
+}
+
 std::vector<StoreCase> Stores() {
   std::vector<StoreCase> v = {{"cpu", [](std::string*) { return cpu::MakeCpuStore(); }}};
 #if DSYNC_HAVE_CUDA
@@ -345,7 +522,7 @@ TEST(CudaStore, MatchesTheCpuStoreWithinOneMillionthForEveryOptimizer) {
   if (!gpu.ok()) GTEST_SKIP() << gpu.status().message();
   auto cpu = cpu::MakeCpuStore();
   for (OptimizerKind kind : {OptimizerKind::kSum, OptimizerKind::kSgd, OptimizerKind::kMomentum,
-                             OptimizerKind::kAdam}) {
+                             OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
     SCOPED_TRACE(std::string(OptimizerName(kind)));
     // Sizes that are not multiples of any block, warp or vector width, and one of 4 MiB.
     for (size_t n : {size_t{1}, size_t{5}, size_t{1023}, size_t{65537}, size_t{1} << 20}) {

@@ -53,7 +53,12 @@ struct SyncMode {
   bool operator==(const SyncMode&) const = default;
 };
 
-enum class OptimizerKind { kSgd, kMomentum, kAdam, kSum };
+// The servers' optimizers, with torch.optim's formulas (docs/contract.md, "Optimizers"):
+// sgd is torch.optim.SGD without momentum (the momentum field is ignored), momentum is
+// torch.optim.SGD with momentum, dampening and nesterov, adam is torch.optim.Adam, adamw is
+// torch.optim.AdamW; sum adds the round's gradients (exactness tests). The values travel in
+// kInit frames: a new kind goes last.
+enum class OptimizerKind { kSgd, kMomentum, kAdam, kSum, kAdamW };
 std::string_view OptimizerName(OptimizerKind kind);
 Result<OptimizerKind> ParseOptimizer(std::string_view text);
 
@@ -61,12 +66,21 @@ struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
   float momentum = 0.9f;
+  float dampening = 0.0f;   // momentum
+  bool nesterov = false;    // momentum
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float eps = 1e-8f;
+  // L2 decay for sgd, momentum and adam; decoupled decay for adamw. One default for all, 0:
+  // torch.optim.AdamW's own default is 1e-2, so a front end mirroring it sets it explicitly.
   float weight_decay = 0.0f;
   bool operator==(const OptimizerConfig&) const = default;
 };
+// Whether the hyperparameters are usable (finite, in range, and combinations torch accepts);
+// the error names the flag and variable of the offending one.
+Status ValidateOptimizer(const OptimizerConfig& optimizer);
+// "adam(lr 0.001, beta1 0.9, ...)": the settings that matter for the kind, for messages.
+std::string DescribeOptimizer(const OptimizerConfig& optimizer);
 
 // How nodes talk (DSYNC_TRANSPORT): TCP sockets, RDMA verbs (libibverbs; a clear error where
 // no RDMA device is usable), or RDMA where a usable device exists, else TCP.

@@ -37,6 +37,14 @@ struct JobInfo {
   bool observer = false;   // joined read-only (Config::observer): pulls only
 };
 
+// How the servers treat one tensor (Worker::Register).
+struct TensorOptions {
+  // The optimizer the servers run for this tensor; empty: the job's (JobInfo::optimizer).
+  // The first registration of a tensor sets it; a later one with another kind or other
+  // hyperparameters (the learning rate aside) is refused.
+  std::optional<OptimizerConfig> optimizer;
+};
+
 class Worker {
  public:
   // Connects to the scheduler and every server and joins the job. Blocks until admitted
@@ -48,8 +56,14 @@ class Worker {
   virtual const JobInfo& job() const = 0;
 
   // Registers a dense float32 tensor of init.size() elements. Every worker registers the
-  // same tensors in the same order; the first registration's values become the model.
-  virtual Result<TensorId> Register(std::string_view name, std::span<const float> init) = 0;
+  // same tensors in the same order; the first registration's values (and optimizer) become
+  // the model's.
+  virtual Result<TensorId> Register(std::string_view name, std::span<const float> init,
+                                    const TensorOptions& options) = 0;
+  // The job's optimizer for this tensor.
+  Result<TensorId> Register(std::string_view name, std::span<const float> init) {
+    return Register(name, init, TensorOptions{});
+  }
 
   // Asynchronous operations; buffers must stay valid until Wait() returns. Errors (unknown
   // tensor, a server's refusal, a lost peer) are reported by Wait().
@@ -74,6 +88,12 @@ class Worker {
 
   virtual Clock clock() const = 0;            // clock of the gradient being computed now
   virtual Version base_version() const = 0;   // lowest version among the latest pulls
+
+  // Sets the learning rate of every tensor's optimizer (replacing each tensor's own) from a
+  // round the scheduler picks: the first round no server has been told of yet, the same on
+  // every server. Returns that round: version r + 1 is the first model the new rate shaped.
+  // lr must be finite and >= 0; observers may not set it.
+  virtual Result<Round> SetLearningRate(float lr) = 0;
 
   // Leaves the job gracefully: waits for outstanding work, then tells the scheduler.
   virtual Status Leave() = 0;

@@ -38,8 +38,8 @@ FloatBuffer AllocFloats(size_t n, bool zero) {
 struct Slice {
   uint64_t n = 0;
   FloatBuffer params;
-  FloatBuffer state[2];  // momentum: v; adam: m, v (allocated on first use)
-  uint64_t steps = 0;    // updates applied (adam's t)
+  FloatBuffer state[2];  // momentum: buf; adam, adamw: m, v (allocated on first use)
+  uint64_t steps = 0;    // updates applied (adam's t; momentum's first step is 1)
 };
 
 class CpuStore final : public ps::ParamStore {
@@ -108,6 +108,12 @@ class CpuStore final : public ps::ParamStore {
           float* m = s->state[0].get() + base;
           float* v = s->state[1].get() + base;
           for (size_t i = 0; i < len; ++i) ps::AdamStep(w[i], m[i], v[i], sum[i], sc);
+          break;
+        }
+        case OptimizerKind::kAdamW: {
+          float* m = s->state[0].get() + base;
+          float* v = s->state[1].get() + base;
+          for (size_t i = 0; i < len; ++i) ps::AdamWStep(w[i], m[i], v[i], sum[i], sc);
           break;
         }
       }

@@ -46,6 +46,8 @@ cudaError_t LaunchApplyRound(Update update, float* w, float* s0, float* s1, cons
     case Update::kMomentum:
       return Launch<Update::kMomentum>(w, s0, s1, grads, k, stride, n, sc, stream);
     case Update::kAdam: return Launch<Update::kAdam>(w, s0, s1, grads, k, stride, n, sc, stream);
+    case Update::kAdamW:
+      return Launch<Update::kAdamW>(w, s0, s1, grads, k, stride, n, sc, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -10,7 +10,7 @@
 
 namespace dsync::cuda {
 
-enum class Update : int { kSum, kSgd, kMomentum, kAdam };
+enum class Update : int { kSum, kSgd, kMomentum, kAdam, kAdamW };
 
 // The gradient stride that keeps every gradient of a round 16-byte aligned: n rounded up to a
 // multiple of 4 floats.

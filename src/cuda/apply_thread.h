@@ -17,10 +17,11 @@
 
 namespace dsync::cuda {
 
-// Per-element state arrays an update reads and writes (momentum: v; adam: m, v). A variable,
-// not a function, so that device code may use it without --expt-relaxed-constexpr.
+// Per-element state arrays an update reads and writes (momentum: buf; adam, adamw: m, v). A
+// variable, not a function, so that device code may use it without --expt-relaxed-constexpr.
 template <Update U>
-inline constexpr int kStateArrays = U == Update::kAdam ? 2 : U == Update::kMomentum ? 1 : 0;
+inline constexpr int kStateArrays =
+    U == Update::kAdam || U == Update::kAdamW ? 2 : U == Update::kMomentum ? 1 : 0;
 
 DSYNC_HD bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -68,8 +69,10 @@ DSYNC_HD void Step(float& w, float& s0, float& s1, float sum, const ps::Optimize
     ps::SgdStep(w, sum, sc);
   } else if constexpr (U == Update::kMomentum) {
     ps::MomentumStep(w, s0, sum, sc);
-  } else {
+  } else if constexpr (U == Update::kAdam) {
     ps::AdamStep(w, s0, s1, sum, sc);
+  } else {
+    ps::AdamWStep(w, s0, s1, sum, sc);
   }
   (void)s0;
   (void)s1;

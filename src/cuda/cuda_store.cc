@@ -25,6 +25,7 @@ Update UpdateOf(OptimizerKind kind) {
     case OptimizerKind::kSgd: return Update::kSgd;
     case OptimizerKind::kMomentum: return Update::kMomentum;
     case OptimizerKind::kAdam: return Update::kAdam;
+    case OptimizerKind::kAdamW: return Update::kAdamW;
   }
   return Update::kSgd;
 }
@@ -32,7 +33,7 @@ Update UpdateOf(OptimizerKind kind) {
 struct Slice {
   uint64_t n = 0;
   DeviceBuffer params;
-  DeviceBuffer state[2];  // momentum: v; adam: m, v (allocated, zeroed, on first use)
+  DeviceBuffer state[2];  // momentum: buf; adam, adamw: m, v (allocated, zeroed, on first use)
   uint64_t steps = 0;
 };
 

@@ -67,6 +67,15 @@ void AuditLog::Policy(dsync::Round from_round, uint32_t quorum,
   Write(line);
 }
 
+void AuditLog::LearningRate(dsync::Round from_round, float lr, WorkerId worker) {
+  if (!file_) return;
+  fmt::memory_buffer line;
+  // {} prints the shortest text that reads back to the same float: the log is exact.
+  fmt::format_to(std::back_inserter(line), "{{\"lr\":{{\"from_round\":{},\"value\":{},\"worker\":{}}}}}\n",
+                 from_round, lr, worker);
+  Write(line);
+}
+
 void AuditLog::Write(const fmt::memory_buffer& line) {
   std::fwrite(line.data(), 1, line.size(), file_);
   std::fflush(file_);

@@ -34,6 +34,9 @@ class AuditLog {
   // {"policy":{"from_round":R,"quorum":Q,"allowance":{"worker":rounds,...}}}
   void Policy(dsync::Round from_round, uint32_t quorum,
               const std::map<WorkerId, uint32_t>& allowance);
+  // {"lr":{"from_round":R,"value":LR,"worker":W}}: worker W set the learning rate of every
+  // tensor to LR from round R on (Worker::SetLearningRate).
+  void LearningRate(dsync::Round from_round, float lr, WorkerId worker);
 
  private:
   void Write(const fmt::memory_buffer& line);

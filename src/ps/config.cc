@@ -25,26 +25,6 @@ Status CheckHyperparameter(std::string_view name, std::string_view flag, std::st
                var);
 }
 
-Status ValidateOptimizer(const OptimizerConfig& o) {
-  const auto finite_at_least = [](float v, float lo) { return std::isfinite(v) && v >= lo; };
-  const auto fraction = [](float v) { return v >= 0.0f && v < 1.0f; };  // false for nan
-  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("learning rate", "--lr", "DSYNC_LR", o.lr,
-                                            finite_at_least(o.lr, 0.0f), "a finite number >= 0"));
-  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("momentum", "--momentum", "DSYNC_MOMENTUM",
-                                            o.momentum, finite_at_least(o.momentum, 0.0f),
-                                            "a finite number >= 0"));
-  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta1", "--beta1", "DSYNC_BETA1", o.beta1,
-                                            fraction(o.beta1), "in [0, 1)"));
-  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta2", "--beta2", "DSYNC_BETA2", o.beta2,
-                                            fraction(o.beta2), "in [0, 1)"));
-  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam epsilon", "--eps", "DSYNC_EPS", o.eps,
-                                            std::isfinite(o.eps) && o.eps > 0.0f,
-                                            "a finite number > 0"));
-  return CheckHyperparameter("weight decay", "--weight-decay", "DSYNC_WEIGHT_DECAY",
-                             o.weight_decay, finite_at_least(o.weight_decay, 0.0f),
-                             "a finite number >= 0");
-}
-
 }  // namespace
 
 std::string_view RoleName(Role role) {
@@ -121,12 +101,68 @@ std::string SyncMode::ToString() const {
   return "unknown";
 }
 
+Status ValidateOptimizer(const OptimizerConfig& o) {
+  const auto finite_at_least = [](float v, float lo) { return std::isfinite(v) && v >= lo; };
+  const auto fraction = [](float v) { return v >= 0.0f && v < 1.0f; };  // false for nan
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("learning rate", "--lr", "DSYNC_LR", o.lr,
+                                            finite_at_least(o.lr, 0.0f), "a finite number >= 0"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("momentum", "--momentum", "DSYNC_MOMENTUM",
+                                            o.momentum, finite_at_least(o.momentum, 0.0f),
+                                            "a finite number >= 0"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("dampening", "--dampening", "DSYNC_DAMPENING",
+                                            o.dampening, finite_at_least(o.dampening, 0.0f) &&
+                                                                 o.dampening <= 1.0f,
+                                            "in [0, 1]"));
+  // torch.optim.SGD refuses these too: nesterov needs a momentum and no dampening (sgd is
+  // SGD with momentum 0).
+  if (o.nesterov && o.kind != OptimizerKind::kMomentum) {
+    return Error(StatusCode::kInvalidArgument,
+                 "nesterov applies to the momentum optimizer only, not {} (--nesterov, "
+                 "DSYNC_NESTEROV)",
+                 OptimizerName(o.kind));
+  }
+  if (o.nesterov && (o.momentum <= 0.0f || o.dampening != 0.0f)) {
+    return Error(StatusCode::kInvalidArgument,
+                 "nesterov momentum requires a momentum > 0 and zero dampening (momentum {}, "
+                 "dampening {}; --nesterov, DSYNC_NESTEROV)",
+                 o.momentum, o.dampening);
+  }
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta1", "--beta1", "DSYNC_BETA1", o.beta1,
+                                            fraction(o.beta1), "in [0, 1)"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam beta2", "--beta2", "DSYNC_BETA2", o.beta2,
+                                            fraction(o.beta2), "in [0, 1)"));
+  DSYNC_RETURN_IF_ERROR(CheckHyperparameter("adam epsilon", "--eps", "DSYNC_EPS", o.eps,
+                                            std::isfinite(o.eps) && o.eps > 0.0f,
+                                            "a finite number > 0"));
+  return CheckHyperparameter("weight decay", "--weight-decay", "DSYNC_WEIGHT_DECAY",
+                             o.weight_decay, finite_at_least(o.weight_decay, 0.0f),
+                             "a finite number >= 0");
+}
+
+std::string DescribeOptimizer(const OptimizerConfig& o) {
+  const std::string_view name = OptimizerName(o.kind);
+  switch (o.kind) {
+    case OptimizerKind::kSum: return std::string(name);
+    case OptimizerKind::kSgd:
+      return fmt::format("{}(lr {}, weight_decay {})", name, o.lr, o.weight_decay);
+    case OptimizerKind::kMomentum:
+      return fmt::format("{}(lr {}, momentum {}, dampening {}, nesterov {}, weight_decay {})",
+                         name, o.lr, o.momentum, o.dampening, o.nesterov, o.weight_decay);
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW:
+      return fmt::format("{}(lr {}, beta1 {}, beta2 {}, eps {}, weight_decay {})", name, o.lr,
+                         o.beta1, o.beta2, o.eps, o.weight_decay);
+  }
+  return std::string(name);
+}
+
 std::string_view OptimizerName(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kSgd: return "sgd";
     case OptimizerKind::kMomentum: return "momentum";
     case OptimizerKind::kAdam: return "adam";
     case OptimizerKind::kSum: return "sum";
+    case OptimizerKind::kAdamW: return "adamw";
   }
   return "unknown";
 }
@@ -135,9 +171,10 @@ Result<OptimizerKind> ParseOptimizer(std::string_view text) {
   if (text == "sgd") return OptimizerKind::kSgd;
   if (text == "momentum") return OptimizerKind::kMomentum;
   if (text == "adam") return OptimizerKind::kAdam;
+  if (text == "adamw") return OptimizerKind::kAdamW;
   if (text == "sum") return OptimizerKind::kSum;
   return Error(StatusCode::kInvalidArgument,
-               "optimizer '{}' is not one of sgd, momentum, adam, sum", text);
+               "optimizer '{}' is not one of sgd, momentum, adam, adamw, sum", text);
 }
 
 std::string_view TransportName(TransportKind kind) {

@@ -124,8 +124,8 @@ std::string EncodeWelcome(const Welcome& w) {
             {"sync", w.sync.ToString()},
             {"optimizer",
              {{"kind", OptimizerName(o.kind)}, {"lr", o.lr}, {"momentum", o.momentum},
-              {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps},
-              {"weight_decay", o.weight_decay}}},
+              {"dampening", o.dampening}, {"nesterov", o.nesterov}, {"beta1", o.beta1},
+              {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}}},
             {"slice_bytes", w.slice_bytes},
             {"heartbeat_interval_ms", w.heartbeat_interval_ms},
             {"servers", servers},
@@ -136,6 +136,10 @@ std::string EncodeWelcome(const Welcome& w) {
             {"credential", ToHex(w.credential)},
             {"num_servers", w.num_servers}};
   if (w.job_key) j["job_key"] = ToHex(*w.job_key);
+  if (w.learning_rate) {
+    j["lr_from_round"] = w.learning_rate->first;
+    j["lr"] = w.learning_rate->second;
+  }
   return j.dump();
 }
 
@@ -153,10 +157,15 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   DSYNC_ASSIGN_OR_RETURN(w.optimizer.kind, ParseOptimizer(kind));
   DSYNC_RETURN_IF_ERROR(Field(opt, "lr", &w.optimizer.lr));
   DSYNC_RETURN_IF_ERROR(Field(opt, "momentum", &w.optimizer.momentum));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "dampening", &w.optimizer.dampening));
+  DSYNC_RETURN_IF_ERROR(Field(opt, "nesterov", &w.optimizer.nesterov));
   DSYNC_RETURN_IF_ERROR(Field(opt, "beta1", &w.optimizer.beta1));
   DSYNC_RETURN_IF_ERROR(Field(opt, "beta2", &w.optimizer.beta2));
   DSYNC_RETURN_IF_ERROR(Field(opt, "eps", &w.optimizer.eps));
   DSYNC_RETURN_IF_ERROR(Field(opt, "weight_decay", &w.optimizer.weight_decay));
+  if (Status st = ValidateOptimizer(w.optimizer); !st.ok()) {
+    return Error(StatusCode::kProtocol, "welcome: {}", st.message());
+  }
   DSYNC_RETURN_IF_ERROR(Field(j, "slice_bytes", &w.slice_bytes));
   DSYNC_RETURN_IF_ERROR(Field(j, "heartbeat_interval_ms", &w.heartbeat_interval_ms));
   json servers;
@@ -181,6 +190,14 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     DSYNC_RETURN_IF_ERROR(Field(j, "job_key", &hex));
     w.job_key = JobKeyFromHex(hex);
     if (!w.job_key) return Error(StatusCode::kProtocol, "handshake field 'job_key' is not a key");
+  }
+  if (j.contains("lr_from_round") || j.contains("lr")) {
+    Round from = 0;
+    float lr = 0.0f;
+    DSYNC_RETURN_IF_ERROR(Field(j, "lr_from_round", &from));
+    DSYNC_RETURN_IF_ERROR(Field(j, "lr", &lr));
+    if (lr < 0.0f) return Error(StatusCode::kProtocol, "handshake field 'lr' is negative: {}", lr);
+    w.learning_rate = std::make_pair(from, lr);
   }
   return w;
 }

@@ -9,6 +9,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsync/config.h"
@@ -56,6 +57,9 @@ struct Welcome {
   Tag credential{};                    // workers and observers: present it to the servers
   std::optional<JobKey> job_key;       // servers: to check credentials, prove, sign receipts
   uint32_t num_servers = 0;            // servers: for the slice placement of receipts
+  // servers: the newest change of the learning rate (its first round, the rate), so that a
+  // server joining after it runs with it too.
+  std::optional<std::pair<Round, float>> learning_rate;
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

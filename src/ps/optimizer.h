@@ -12,15 +12,23 @@ namespace dsync::ps {
 inline uint32_t OptimizerStateSlots(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kMomentum: return 1;
-    case OptimizerKind::kAdam: return 2;
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW: return 2;
     case OptimizerKind::kSgd:
     case OptimizerKind::kSum: return 0;
   }
   return 0;
 }
 
-// `step` counts the updates this slice has received including this one (adam's t >= 1);
-// `count` the gradients in the round.
+// Whether two optimizers do the same thing but for the learning rate, which may change
+// during a job: what every registration of one tensor must agree on.
+inline bool SameBesidesLearningRate(OptimizerConfig a, const OptimizerConfig& b) {
+  a.lr = b.lr;
+  return a == b;
+}
+
+// `step` counts the updates this slice has received including this one (adam's t >= 1;
+// momentum's first step is 1); `count` the gradients in the round.
 OptimizerScalars MakeOptimizerScalars(const OptimizerConfig& config, uint64_t step,
                                       uint32_t count);
 

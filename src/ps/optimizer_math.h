@@ -2,6 +2,11 @@
 // loops, the CUDA store from its fused kernels, so the CPU tests pin the arithmetic
 // the GPU runs. Keep this header free of anything a device cannot execute (no std::, no
 // exceptions, no host-only calls). tests/optimizer_math_cuda_probe.cu compiles it with nvcc.
+//
+// The formulas are PyTorch 1.13's single-tensor (foreach=False) torch.optim.SGD, Adam
+// (amsgrad=False) and AdamW, in the same form: the same operations on the same values, with
+// the scalars torch computes in Python doubles computed in double on the host (optimizer.cc)
+// and rounded once, so a front end that compares with torch.optim agrees to float rounding.
 #pragma once
 
 #include <math.h>  // sqrtf on host and device alike
@@ -20,13 +25,21 @@ namespace dsync::ps {
 struct OptimizerScalars {
   float lr = 0.0f;
   float momentum = 0.0f;
+  float dampening_keep = 1.0f;  // momentum: 1 - dampening
+  // momentum: this is the slice's first step, where torch starts the buffer as a copy of the
+  // gradient (no dampening) instead of decaying a zero buffer.
+  bool first_step = false;
+  bool nesterov = false;
   float beta1 = 0.0f;
   float beta2 = 0.0f;
+  float one_minus_beta1 = 1.0f;
+  float one_minus_beta2 = 1.0f;
   float eps = 0.0f;
   float weight_decay = 0.0f;
-  float count = 1.0f;        // gradients in the round: the mean divides the sum by it
-  float bias_correction1 = 1.0f;  // adam: 1 - beta1^t
-  float bias_correction2 = 1.0f;  // adam: 1 - beta2^t
+  float count = 1.0f;  // gradients in the round: the mean divides the sum by it
+  float step_size = 0.0f;               // adam, adamw: lr / (1 - beta1^t)
+  float bias_correction2_sqrt = 1.0f;   // adam, adamw: sqrt(1 - beta2^t)
+  float decoupled_decay = 1.0f;         // adamw: 1 - lr * weight_decay
 };
 
 // The round's gradient as the optimizers see it: the mean of the members' gradients.
@@ -35,26 +48,47 @@ DSYNC_HD float RoundMean(float sum, const OptimizerScalars& s) { return sum / s.
 // sum: theta += sum of the round's gradients (exactness tests count with it).
 DSYNC_HD void SumStep(float& w, float sum) { w += sum; }
 
+// torch.optim.SGD without momentum: w -= lr * (g + wd * w).
 DSYNC_HD void SgdStep(float& w, float sum, const OptimizerScalars& s) {
   const float g = RoundMean(sum, s) + s.weight_decay * w;
   w -= s.lr * g;
 }
 
-// Heavy-ball momentum (as torch.optim.SGD with momentum, dampening 0): v = mu v + g.
-DSYNC_HD void MomentumStep(float& w, float& v, float sum, const OptimizerScalars& s) {
-  const float g = RoundMean(sum, s) + s.weight_decay * w;
-  v = s.momentum * v + g;
-  w -= s.lr * v;
+// torch.optim.SGD with momentum, dampening and nesterov; `buf` is the momentum buffer.
+DSYNC_HD void MomentumStep(float& w, float& buf, float sum, const OptimizerScalars& s) {
+  float g = RoundMean(sum, s) + s.weight_decay * w;
+  if (s.first_step) {
+    buf = g;
+  } else {
+    buf = s.momentum * buf + s.dampening_keep * g;
+  }
+  if (s.nesterov) {
+    g = g + s.momentum * buf;
+  } else {
+    g = buf;
+  }
+  w -= s.lr * g;
 }
 
-// Adam (Kingma & Ba), bias-corrected, eps outside the square root.
+// Adam's update from its moments and the (already decayed) gradient g, as torch writes it:
+// denom = sqrt(v) / sqrt(bc2) + eps; w -= (lr / bc1) * m / denom.
+DSYNC_HD void AdamMoments(float& w, float& m, float& v, float g, const OptimizerScalars& s) {
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * g * g;
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + s.eps;
+  w -= s.step_size * (m / denom);
+}
+
+// torch.optim.Adam (amsgrad off): L2 weight decay folded into the gradient.
 DSYNC_HD void AdamStep(float& w, float& m, float& v, float sum, const OptimizerScalars& s) {
   const float g = RoundMean(sum, s) + s.weight_decay * w;
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * g * g;
-  const float m_hat = m / s.bias_correction1;
-  const float v_hat = v / s.bias_correction2;
-  w -= s.lr * m_hat / (sqrtf(v_hat) + s.eps);
+  AdamMoments(w, m, v, g, s);
+}
+
+// torch.optim.AdamW: the weights decay first (w *= 1 - lr * wd), the gradient stays as is.
+DSYNC_HD void AdamWStep(float& w, float& m, float& v, float sum, const OptimizerScalars& s) {
+  w *= s.decoupled_decay;
+  AdamMoments(w, m, v, RoundMean(sum, s), s);
 }
 
 }  // namespace dsync::ps

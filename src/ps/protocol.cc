@@ -1,5 +1,7 @@
 #include "ps/protocol.h"
 
+#include <cmath>
+
 namespace dsync::ps {
 
 std::string_view MsgTypeName(MsgType type) {
@@ -15,11 +17,14 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kGate: return "gate";
     case MsgType::kLeave: return "leave";
     case MsgType::kLeaveAck: return "leave-ack";
+    case MsgType::kSetLearningRate: return "set-learning-rate";
+    case MsgType::kSetLearningRateAck: return "set-learning-rate-ack";
     case MsgType::kRound: return "round";
     case MsgType::kWorkerGone: return "worker-gone";
     case MsgType::kApplied: return "applied";
     case MsgType::kShutdown: return "shutdown";
     case MsgType::kReady: return "ready";
+    case MsgType::kLearningRate: return "learning-rate";
     case MsgType::kInit: return "init";
     case MsgType::kInitAck: return "init-ack";
     case MsgType::kPush: return "push";
@@ -218,15 +223,60 @@ void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out) {
   w.Put(meta.tensor_elements);
   w.Put(meta.slice_offset);
   w.PutString(meta.name);
+  w.Put(static_cast<uint8_t>(meta.optimizer ? 1 : 0));
+  if (!meta.optimizer) return;
+  const OptimizerConfig& o = *meta.optimizer;
+  w.Put(static_cast<uint8_t>(o.kind));
+  w.Put(static_cast<uint8_t>(o.nesterov ? 1 : 0));
+  for (float x : {o.lr, o.momentum, o.dampening, o.beta1, o.beta2, o.eps, o.weight_decay}) {
+    w.Put(x);
+  }
 }
 
 Status DecodeInit(std::span<const std::byte> meta, InitMeta& out) {
   MetaReader r(meta);
+  const Status malformed = Error(StatusCode::kProtocol, "init metadata is malformed");
+  uint8_t has_optimizer = 0;
   if (!r.Get(&out.tensor_elements) || !r.Get(&out.slice_offset) || !r.GetString(&out.name) ||
-      !r.done()) {
-    return Error(StatusCode::kProtocol, "init metadata is malformed");
+      !r.Get(&has_optimizer) || has_optimizer > 1) {
+    return malformed;
   }
+  out.optimizer.reset();
+  if (has_optimizer == 0) return r.done() ? Status::Ok() : malformed;
+  uint8_t kind = 0, nesterov = 0;
+  OptimizerConfig o;
+  if (!r.Get(&kind) || !r.Get(&nesterov) || !r.Get(&o.lr) || !r.Get(&o.momentum) ||
+      !r.Get(&o.dampening) || !r.Get(&o.beta1) || !r.Get(&o.beta2) || !r.Get(&o.eps) ||
+      !r.Get(&o.weight_decay) || !r.done() || nesterov > 1 ||
+      kind > static_cast<uint8_t>(OptimizerKind::kAdamW)) {
+    return malformed;
+  }
+  o.kind = static_cast<OptimizerKind>(kind);
+  o.nesterov = nesterov == 1;
+  if (Status st = ValidateOptimizer(o); !st.ok()) {
+    return Error(StatusCode::kProtocol, "init metadata of tensor '{}': {}", out.name,
+                 st.message());
+  }
+  out.optimizer = o;
   return Status::Ok();
+}
+
+void EncodeLearningRate(float lr, std::vector<std::byte>& out) {
+  MetaWriter w(out);
+  w.Put(lr);
+}
+
+Result<float> DecodeLearningRate(std::span<const std::byte> meta) {
+  MetaReader r(meta);
+  float lr = 0.0f;
+  if (!r.Get(&lr) || !r.done()) {
+    return Error(StatusCode::kProtocol, "learning-rate metadata is {} bytes, not 4", meta.size());
+  }
+  if (!std::isfinite(lr) || lr < 0.0f) {
+    return Error(StatusCode::kInvalidArgument,
+                 "learning rate {} must be a finite number >= 0", lr);
+  }
+  return lr;
 }
 
 }  // namespace dsync::ps

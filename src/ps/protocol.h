@@ -10,6 +10,7 @@
 #include <array>
 #include <bit>
 #include <initializer_list>
+#include <optional>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dsync/config.h"
 #include "dsync/status.h"
 #include "dsync/types.h"
 
@@ -28,7 +30,8 @@ static_assert(std::endian::native == std::endian::little, "the wire format is li
 
 constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
 // 2: node credentials, push receipts and proved commits; per-message header fields.
-constexpr uint16_t kProtocolVersion = 2;
+// 3: learning-rate changes (kSetLearningRate, kLearningRate), per-tensor optimizers in kInit.
+constexpr uint16_t kProtocolVersion = 3;
 // Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
@@ -52,6 +55,8 @@ enum class MsgType : uint16_t {
   kGate = 13,      // clock(), min_version(): the gate for pulls at that clock (ssp)
   kLeave = 14,
   kLeaveAck = 15,
+  kSetLearningRate = 16,     // meta = the new lr (LearningRateMeta); workers only
+  kSetLearningRateAck = 17,  // round(): the first round the new lr applies to
   // server <-> scheduler
   kRound = 20,      // round(); meta = RoundMember[] with their tensors, in summation order
   kWorkerGone = 21, // gone_worker(), next_clock(): anything it staged from there on is void
@@ -59,6 +64,8 @@ enum class MsgType : uint16_t {
   kShutdown = 23,   // scheduler -> server: the job is over; -> observer: training is over,
                     // final_version() (read it, then leave)
   kReady = 24,      // server -> scheduler: welcome taken, it accepts clients now
+  kLearningRate = 25,  // scheduler -> server: round(); meta = lr (LearningRateMeta): every
+                       // tensor's lr from that round on; sent before that round's kRound
   // worker <-> server
   kInit = 30,      // tensor(), slice(); meta = InitMeta; payload = initial values
   kInitAck = 31,   // slice_version()
@@ -102,7 +109,7 @@ struct FrameHeader {
   // kBegin, kCommit, kPush: the model version the gradient is computed on.
   Version base() const { return word[1]; }
   void set_base(Version v) { word[1] = v; }
-  // kCommitAck, kRound, kApplied.
+  // kCommitAck, kRound, kApplied, kSetLearningRateAck, kLearningRate.
   Round round() const { return word[0]; }
   void set_round(Round r) { word[0] = r; }
   // kCommitAck, kGate, kPull: the lowest version the (next) pulls may return.
@@ -261,14 +268,21 @@ Status DecodeCommit(std::span<const std::byte> meta, CommitProof& out);
 TensorSet TensorsOf(const CommitProof& proof);
 
 // kInit metadata: identifies the tensor so that workers registering different tensors under
-// one id are caught.
+// one id are caught, and carries the optimizer the worker asks for this tensor (none: the
+// job's). Decoding checks every field, the optimizer's hyperparameters included.
 struct InitMeta {
   std::string name;
   uint64_t tensor_elements = 0;
   uint64_t slice_offset = 0;
+  std::optional<OptimizerConfig> optimizer;
 };
 void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out);
 Status DecodeInit(std::span<const std::byte> meta, InitMeta& out);
+
+// kSetLearningRate and kLearningRate metadata: the learning rate, a float32. Decoding
+// refuses any other length, and a rate that is not finite or is negative.
+void EncodeLearningRate(float lr, std::vector<std::byte>& out);
+Result<float> DecodeLearningRate(std::span<const std::byte> meta);
 
 inline std::span<const std::byte> AsBytes(std::string_view s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};

@@ -292,6 +292,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.slice_bytes = cfg_.slice_bytes;
     w.heartbeat_interval_ms = cfg_.heartbeat_interval_ms;
     w.num_servers = cfg_.num_servers;
+    w.learning_rate = learning_rate_;
     return w;
   }
 
@@ -421,6 +422,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       case MsgType::kCommit:
         HandleCommit(peer, id, wit->second, h, meta);
         return;
+      case MsgType::kSetLearningRate:
+        HandleSetLearningRate(peer, id, h, meta);
+        return;
       case MsgType::kLeave: {
         // Acknowledge first: the removal may end the job, and Run() flushes what is queued.
         FrameHeader ack = MakeHeader(MsgType::kLeaveAck, kSchedulerId);
@@ -481,6 +485,33 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     (void)SendControl(*transport_, peer, ack);
     Progress();
+  }
+
+  // The new rate applies from the first round no server has been told of yet, so that every
+  // server switches at the same round: each hears of it before that round, on the same
+  // ordered connection. A bad rate is refused; the worker may go on.
+  void HandleSetLearningRate(PeerId peer, WorkerId id, const FrameHeader& h,
+                             std::span<const std::byte> meta) {
+    auto lr = DecodeLearningRate(meta);
+    if (!lr.ok()) {
+      Refuse(peer, h, lr.status(), /*drop=*/lr.status().code() == StatusCode::kProtocol);
+      return;
+    }
+    const Round from = rounds_announced_;
+    FrameHeader to_server = MakeHeader(MsgType::kLearningRate, kSchedulerId);
+    to_server.set_round(from);
+    EncodeLearningRate(*lr, meta_buf_);
+    for (const ServerEntry& s : servers_) {
+      (void)transport_->Send(s.peer, to_server, meta_buf_, nullptr, 0);
+    }
+    learning_rate_ = std::make_pair(from, *lr);
+    audit_.LearningRate(from, *lr, id);
+    spdlog::info("scheduler: worker {} set the learning rate to {} from round {}", id, *lr,
+                 from);
+    FrameHeader ack = MakeHeader(MsgType::kSetLearningRateAck, kSchedulerId);
+    ack.request = h.request;
+    ack.set_round(from);
+    (void)SendControl(*transport_, peer, ack);
   }
 
   // A worker whose request the scheduler refuses cannot go on with its clocks: it is told
@@ -605,6 +636,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
       }
       audit_.Round(rec);
+      rounds_announced_ = rec.round + 1;
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
     }
@@ -803,6 +835,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::deque<RoundRecord> history_;
   AuditLog audit_;
   std::vector<std::byte> meta_buf_;
+  // Rounds sent to the servers so far: the next one is the first a new learning rate can
+  // apply to everywhere.
+  Round rounds_announced_ = 0;
+  // The newest change of the learning rate: its first round and the rate (server welcomes).
+  std::optional<std::pair<Round, float>> learning_rate_;
   // The tensors each committed gradient covers, per worker in clock order, until its round
   // goes out.
   std::unordered_map<WorkerId, std::deque<std::pair<Clock, TensorSet>>> pending_tensors_;

@@ -32,6 +32,7 @@
 #include "ps/client_registry.h"
 #include "ps/handshake.h"
 #include "ps/net_address.h"
+#include "ps/optimizer.h"
 #include "ps/rendezvous.h"
 #include "ps/round_rule.h"
 #include "ps/server_node.h"
@@ -314,16 +315,21 @@ class ServerNode final : public Server, public TransportHandler {
     uint64_t elements = 0;
     std::mutex mu;
     Version version = 0;
+    OptimizerConfig optimizer;  // the tensor's, from its first registration
     std::vector<Staged> staged;
     std::vector<WaitingPull> waiting;
   };
   struct TensorMeta {
     std::string name;
     uint64_t elements = 0;
+    OptimizerConfig optimizer;
   };
   struct PendingRound {
     Round round;
     std::vector<RoundEntry> members;
+    // The learning rate every tensor's optimizer runs with in this round, where the job
+    // changed it (Worker::SetLearningRate); else each tensor's own.
+    std::optional<float> lr;
   };
 
   SliceState* FindSlice(uint32_t tensor, uint32_t slice) {
@@ -414,6 +420,15 @@ class ServerNode final : public Server, public TransportHandler {
                      h.tensor(), t->second.name, t->second.elements, id_.load(), im.name,
                      im.tensor_elements);
       }
+      const OptimizerConfig asked = im.optimizer.value_or(job_.optimizer);
+      if (!SameBesidesLearningRate(asked, t->second.optimizer)) {
+        return Error(StatusCode::kInvalidArgument,
+                     "tensor {} '{}' runs {} on server {}, but this worker registers it with {}: "
+                     "every worker must register a tensor with the same optimizer (only the "
+                     "learning rate may differ)",
+                     h.tensor(), im.name, DescribeOptimizer(t->second.optimizer), id_.load(),
+                     DescribeOptimizer(asked));
+      }
     }
     if (auto it = slices_.find(MakeSliceKey(h.tensor(), h.slice())); it != slices_.end()) {
       if (it->second->elements * sizeof(float) != h.payload_len) {
@@ -469,9 +484,13 @@ class ServerNode final : public Server, public TransportHandler {
         s->index = h.slice();
         s->elements = n;
         s->version = stats_.rounds_applied;  // it exists from the current model version on
+        // A tensor's slices here share the optimizer of its first registration.
+        auto t = tensors_.try_emplace(h.tensor(),
+                                      TensorMeta{im.name, im.tensor_elements,
+                                                 im.optimizer.value_or(job_.optimizer)});
+        s->optimizer = t.first->second.optimizer;
         slice_list_.push_back(s.get());
         slices_.emplace(key, std::move(s));
-        tensors_.try_emplace(h.tensor(), TensorMeta{im.name, im.tensor_elements});
       }
       lock.unlock();
       ReleaseBuffer(payload, h.payload_len);
@@ -577,6 +596,8 @@ class ServerNode final : public Server, public TransportHandler {
         } else {
           job_ = std::move(w).value();
           id_ = job_.id;
+          // A change of the learning rate made before this server joined.
+          if (job_.learning_rate) lr_schedule_[job_.learning_rate->first] = job_.learning_rate->second;
           clients_.Configure(*job_.job_key, job_.id);
           ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync));
           welcomed_ = true;
@@ -594,13 +615,28 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       case MsgType::kRound: {
-        PendingRound r{h.round(), {}};
+        PendingRound r{h.round(), {}, std::nullopt};
         Status st = DecodeRound(meta, r.members);
         std::lock_guard lock(mu_);
         if (!st.ok()) {
           result_ = st.WithContext("round from the scheduler");
         } else {
+          r.lr = LearningRateOf(r.round);
           rounds_.push_back(std::move(r));
+        }
+        cv_.notify_all();
+        return;
+      }
+      case MsgType::kLearningRate: {
+        // Sent before the round it starts from, on this same ordered connection: every
+        // server applies the change from the same round.
+        auto lr = DecodeLearningRate(meta);
+        std::lock_guard lock(mu_);
+        if (!lr.ok()) {
+          result_ = lr.status().WithContext("learning rate from the scheduler");
+        } else {
+          lr_schedule_[h.round()] = *lr;
+          spdlog::info("server {}: learning rate {} from round {}", id_.load(), *lr, h.round());
         }
         cv_.notify_all();
         return;
@@ -618,6 +654,16 @@ class ServerNode final : public Server, public TransportHandler {
         spdlog::warn("server {}: ignoring {} from the scheduler", id_.load(),
                      MsgTypeName(h.msg_type()));
     }
+  }
+
+  // The newest learning rate set for a round <= `round`, if any. Rounds arrive in order, so
+  // older entries are dropped once a newer one applies. Under mu_.
+  std::optional<float> LearningRateOf(Round round) {
+    auto it = lr_schedule_.upper_bound(round);
+    if (it == lr_schedule_.begin()) return std::nullopt;
+    --it;
+    lr_schedule_.erase(lr_schedule_.begin(), it);
+    return it->second;
   }
 
   // The worker is gone: what it pushed for clocks >= next_clock was never committed.
@@ -727,7 +773,9 @@ class ServerNode final : public Server, public TransportHandler {
           }
         }
       }
-      Status st = store_->ApplyRound(s->key, grads, job_.optimizer);
+      OptimizerConfig opt = s->optimizer;
+      if (r.lr) opt.lr = *r.lr;
+      Status st = store_->ApplyRound(s->key, grads, opt);
       if (!st.ok()) {
         spdlog::error("server {}: applying round {}: {}", id_.load(), r.round, st.message());
       }
@@ -819,6 +867,7 @@ class ServerNode final : public Server, public TransportHandler {
   bool stop_ = false;
   Status result_;
   std::deque<PendingRound> rounds_;
+  std::map<Round, float> lr_schedule_;  // round -> the job's learning rate from it on
   std::thread apply_thread_;
   std::thread heartbeat_thread_;
 

@@ -49,6 +49,13 @@ std::string GetOptimizerFloat(const Config& c) {
   return fmt::format("{}", c.optimizer.*M);  // the shortest text that reads back exactly
 }
 
+Status SetNesterov(Config& c, std::string_view v) {
+  if (v != "0" && v != "1") return Error(StatusCode::kInvalidArgument, "'{}' is not 0 or 1", v);
+  c.optimizer.nesterov = v == "1";
+  return Status::Ok();
+}
+std::string GetNesterov(const Config& c) { return c.optimizer.nesterov ? "1" : "0"; }
+
 // An enum through its Parse/Name pair.
 template <auto M, auto Parse, auto Name>
 Status SetEnum(Config& c, std::string_view v) {
@@ -191,19 +198,28 @@ constexpr Setting kSettings[] = {
   {"DSYNC_SYNC", {}, "--sync",
    "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp", S::kJob, true, false,
    SetSync, GetSync},
-  {"DSYNC_OPTIMIZER", {}, "--optimizer", "sgd | momentum | adam | sum", S::kJob, true, false,
+  {"DSYNC_OPTIMIZER", {}, "--optimizer",
+   "sgd | momentum | adam | adamw | sum (torch.optim's formulas; sum: w += the gradients)",
+   S::kJob, true, false,
    SetOptimizer, GetOptimizer},
   {"DSYNC_LR", {}, "--lr", "learning rate", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::lr>, GetOptimizerFloat<&OptimizerConfig::lr>},
   {"DSYNC_MOMENTUM", {}, "--momentum", "momentum", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::momentum>, GetOptimizerFloat<&OptimizerConfig::momentum>},
+  {"DSYNC_DAMPENING", {}, "--dampening", "momentum: dampening in [0, 1]", S::kJob, true, false,
+   SetOptimizerFloat<&OptimizerConfig::dampening>,
+   GetOptimizerFloat<&OptimizerConfig::dampening>},
+  {"DSYNC_NESTEROV", {}, "--nesterov",
+   "momentum: Nesterov momentum (needs momentum > 0, dampening 0)", S::kJob, true, true,
+   SetNesterov, GetNesterov},
   {"DSYNC_BETA1", {}, "--beta1", "adam beta1", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::beta1>, GetOptimizerFloat<&OptimizerConfig::beta1>},
   {"DSYNC_BETA2", {}, "--beta2", "adam beta2", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::beta2>, GetOptimizerFloat<&OptimizerConfig::beta2>},
   {"DSYNC_EPS", {}, "--eps", "adam epsilon", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::eps>, GetOptimizerFloat<&OptimizerConfig::eps>},
-  {"DSYNC_WEIGHT_DECAY", {}, "--weight-decay", "L2 weight decay", S::kJob, true, false,
+  {"DSYNC_WEIGHT_DECAY", {}, "--weight-decay",
+   "weight decay: L2 (sgd, momentum, adam) or decoupled (adamw); default 0 for all", S::kJob, true, false,
    SetOptimizerFloat<&OptimizerConfig::weight_decay>,
    GetOptimizerFloat<&OptimizerConfig::weight_decay>},
   {"DSYNC_SLICE_BYTES", {}, "--slice-bytes",

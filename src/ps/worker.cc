@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <limits>
@@ -125,7 +126,14 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   const JobInfo& job() const override { return job_; }
 
-  Result<TensorId> Register(std::string_view name, std::span<const float> init) override {
+  using Worker::Register;
+  Result<TensorId> Register(std::string_view name, std::span<const float> init,
+                            const TensorOptions& options) override {
+    if (options.optimizer) {
+      if (Status st = ValidateOptimizer(*options.optimizer); !st.ok()) {
+        return st.WithContext(fmt::format("register tensor '{}'", name));
+      }
+    }
     std::unique_lock lock(mu_);
     DSYNC_RETURN_IF_ERROR(broken_);
     if (clock_ != job_.start_clock || !clocks_.empty()) {
@@ -148,7 +156,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     ops_[op].version = std::numeric_limits<Version>::max();
     std::vector<std::byte> meta;
     for (const SliceRef& s : tensor.layout.slices) {
-      EncodeInit({tensor.name, init.size(), s.offset}, meta);
+      EncodeInit({tensor.name, init.size(), s.offset, options.optimizer}, meta);
       FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
       Status st = SendPayload(servers_[s.server], h, meta, init.data() + s.offset,
                               s.elements * sizeof(float));
@@ -246,6 +254,48 @@ class WorkerNode final : public Worker, public TransportHandler {
     return final_version_;
   }
 
+  Result<Round> SetLearningRate(float lr) override {
+    if (!std::isfinite(lr) || lr < 0.0f) {
+      return Error(StatusCode::kInvalidArgument,
+                   "learning rate {} must be a finite number >= 0", lr);
+    }
+    std::unique_lock lock(mu_);
+    if (job_.observer) {
+      return Error(StatusCode::kPermissionDenied,
+                   "observer {} is read-only: it cannot set the learning rate", job_.worker_id);
+    }
+    // One change at a time: the answer is matched to the request it belongs to.
+    cv_.wait(lock, [&] { return !lr_request_ || !broken_.ok(); });
+    DSYNC_RETURN_IF_ERROR(broken_);
+    const uint64_t request = ++lr_requests_;
+    lr_request_ = request;
+    lr_answer_.reset();
+    FrameHeader h = MakeHeader(MsgType::kSetLearningRate, job_.worker_id);
+    h.request = request;
+    std::vector<std::byte> meta;
+    EncodeLearningRate(lr, meta);
+    if (Status st = transport_->Send(scheduler_, h, meta, nullptr, 0); !st.ok()) {
+      lr_request_.reset();
+      cv_.notify_all();
+      return st.WithContext("setting the learning rate");
+    }
+    const auto limit = std::chrono::milliseconds(cfg_.connect_timeout_ms);
+    const bool answered =
+        cv_.wait_for(lock, limit, [&] { return lr_answer_.has_value() || !broken_.ok(); });
+    lr_request_.reset();
+    cv_.notify_all();
+    if (!answered) {
+      return Error(StatusCode::kDeadlineExceeded,
+                   "the scheduler did not answer the change of the learning rate to {} within "
+                   "{} ms",
+                   lr, cfg_.connect_timeout_ms);
+    }
+    if (!lr_answer_) return broken_.WithContext("setting the learning rate");
+    Result<Round> answer = std::move(*lr_answer_);
+    lr_answer_.reset();
+    return answer;
+  }
+
   Status Leave() override {
     std::unique_lock lock(mu_);
     if (left_) return Status::Ok();
@@ -337,6 +387,11 @@ class WorkerNode final : public Worker, public TransportHandler {
         break;
       case MsgType::kLeaveAck:
         left_ = true;
+        break;
+      case MsgType::kSetLearningRateAck:
+        if (peer == scheduler_ && lr_request_ && h.request == *lr_request_) {
+          lr_answer_ = Result<Round>(h.round());
+        }
         break;
       case MsgType::kShutdown:
         if (job_.observer && peer == scheduler_) final_version_ = h.final_version();
@@ -787,6 +842,10 @@ class WorkerNode final : public Worker, public TransportHandler {
       Break(st);
       return;
     }
+    if (about == MsgType::kSetLearningRate) {
+      if (lr_request_ && h.request == *lr_request_) lr_answer_ = Result<Round>(st);
+      return;
+    }
     if (about == MsgType::kPush || about == MsgType::kCommit || about == MsgType::kBegin) {
       // The clock sequence cannot continue past a refused gradient.
       Break(st);
@@ -856,6 +915,10 @@ class WorkerNode final : public Worker, public TransportHandler {
   std::vector<CommittedTensor> spare_claims_;  // reused by the next clock
   bool leaving_ = false;
   bool left_ = false;
+  // SetLearningRate: the request waiting for the scheduler's answer, and the answer.
+  uint64_t lr_requests_ = 0;
+  std::optional<uint64_t> lr_request_;
+  std::optional<Result<Round>> lr_answer_;
   bool stop_ = false;
 
   std::vector<Tensor> tensors_;

@@ -33,7 +33,7 @@ bool Same(const Welcome& a, const Welcome& b) {
          a.slice_bytes == b.slice_bytes && a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
          a.join_round == b.join_round && a.start_clock == b.start_clock && a.gate == b.gate &&
          a.observer == b.observer && a.credential == b.credential && a.job_key == b.job_key &&
-         a.num_servers == b.num_servers;
+         a.num_servers == b.num_servers && a.learning_rate == b.learning_rate;
 }
 
 }  // namespace
@@ -60,8 +60,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(NumberIs(j.at("servers")[i].at("port"), w->servers[i].port));
   }
   const OptimizerConfig& o = w->optimizer;
-  for (float x : {o.lr, o.momentum, o.beta1, o.beta2, o.eps, o.weight_decay}) {
+  for (float x : {o.lr, o.momentum, o.dampening, o.beta1, o.beta2, o.eps, o.weight_decay}) {
     FUZZ_CHECK(std::isfinite(x));
+  }
+  if (w->learning_rate) {
+    FUZZ_CHECK(NumberIs(j.at("lr_from_round"), w->learning_rate->first));
+    FUZZ_CHECK(std::isfinite(w->learning_rate->second) && w->learning_rate->second >= 0.0f);
   }
 
   const Result<Welcome> again = DecodeWelcome(AsBytes(EncodeWelcome(*w)));
