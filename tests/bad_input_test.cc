@@ -646,7 +646,7 @@ class BadInputTest : public ::testing::Test {
     const auto init = [&](const std::string& name, uint64_t elements, DType dtype,
                           uint64_t request) {
       std::vector<std::byte> meta;
-      ps::EncodeInit({name, elements, 0, std::nullopt}, meta);
+      ps::EncodeInit({name, elements, 0, std::nullopt, {}}, meta);
       FrameHeader h = Header(MsgType::kInit, request);
       h.dtype = static_cast<uint8_t>(dtype);
       return c.SendFrame(h, ps::AsText(meta), poison.data(), kSliceBytes);

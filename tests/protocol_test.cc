@@ -135,7 +135,7 @@ TEST(CommitCodec, RoundTripsAndRefusesATensorNamedTwice) {
 }
 
 TEST(InitCodec, RoundTripsAndRejectsGarbage) {
-  InitMeta in{"layer1.weight", 123456, 4096, std::nullopt};
+  InitMeta in{"layer1.weight", 123456, 4096, std::nullopt, {}};
   std::vector<std::byte> buf;
   EncodeInit(in, buf);
   InitMeta out;
@@ -148,6 +148,27 @@ TEST(InitCodec, RoundTripsAndRejectsGarbage) {
   EXPECT_FALSE(DecodeInit(buf, out).ok());
 }
 
+// A tensor's shape travels with it; one whose product is not the element count, with more
+// dimensions than allowed, or whose product overflows is a protocol error.
+TEST(InitCodec, CarriesTheShapeAndRefusesOneThatDoesNotHoldTheTensor) {
+  InitMeta in{"conv.weight", 2 * 3 * 5, 0, std::nullopt, {2, 3, 5}};
+  std::vector<std::byte> buf;
+  EncodeInit(in, buf);
+  InitMeta out;
+  ASSERT_TRUE(DecodeInit(buf, out).ok());
+  EXPECT_EQ(out.shape, (std::vector<uint64_t>{2, 3, 5}));
+  EXPECT_EQ(ShapeText(out.shape), "(2, 3, 5)");
+  EXPECT_EQ(ShapeText(std::vector<uint64_t>{7}), "(7,)");
+  for (const std::vector<uint64_t>& bad :
+       {std::vector<uint64_t>{2, 3, 4}, std::vector<uint64_t>{uint64_t{1} << 40, uint64_t{1} << 40, 0},
+        std::vector<uint64_t>(17, 1)}) {
+    InitMeta b = in;
+    b.shape = bad;
+    EncodeInit(b, buf);
+    EXPECT_EQ(DecodeInit(buf, out).code(), StatusCode::kProtocol) << ShapeText(bad);
+  }
+}
+
 // A tensor's own optimizer travels whole, and every field is checked on the way in: a kind
 // beyond the known ones, a flag that is not 0 or 1, a hyperparameter out of range or not
 // finite, or bytes left over, are protocol errors.
@@ -158,7 +179,7 @@ TEST(InitCodec, CarriesATensorsOptimizerAndChecksEveryField) {
   o.momentum = 0.75f;
   o.nesterov = true;
   o.weight_decay = 1e-3f;
-  InitMeta in{"w", 10, 0, o};
+  InitMeta in{"w", 10, 0, o, {}};
   std::vector<std::byte> good;
   EncodeInit(in, good);
   InitMeta out;

@@ -16,6 +16,8 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dsync/config.h"
 #include "dsync/status.h"
@@ -39,10 +41,20 @@ struct JobInfo {
 
 // How the servers treat one tensor (Worker::Register).
 struct TensorOptions {
+  // A constructor, not an aggregate: TensorOptions{adam} stays free of missing-initializer
+  // warnings as fields are added.
+  TensorOptions(std::optional<OptimizerConfig> optimizer_ = std::nullopt,  // NOLINT: implicit
+                std::vector<uint64_t> shape_ = {})
+      : optimizer(std::move(optimizer_)), shape(std::move(shape_)) {}
   // The optimizer the servers run for this tensor; empty: the job's (JobInfo::optimizer).
   // The first registration of a tensor sets it; a later one with another kind or other
   // hyperparameters (the learning rate aside) is refused.
   std::optional<OptimizerConfig> optimizer;
+  // The tensor's shape as the framework sees it (at most kMaxTensorDims dimensions whose
+  // product is its element count); empty: none. The servers keep the first registration's and
+  // refuse a later one with another shape, naming both (a model built differently).
+  std::vector<uint64_t> shape;
+  static constexpr size_t kMaxTensorDims = 16;
 };
 
 class Worker {

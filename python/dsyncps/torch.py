@@ -184,6 +184,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     def _on_grad(self, slot):
         if self._worker is None or slot.pushed:
             return
+        self._sync_lr()
         slot.passes += 1
         if slot.passes < self._passes:
             return
@@ -200,9 +201,7 @@ class ServerOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lr = self.param_groups[0]["lr"]
-        if lr != self._lr:
-            self.set_lr(lr)
+        self._sync_lr()
         missing = [s for s in self._slots if not s.pushed]
         if missing:
             # Parameters without a gradient this step (unused branches, frozen for now) add
@@ -224,6 +223,16 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise error
         self._copy_mirrors()
         return loss
+
+    def zero_grad(self, set_to_none=False):
+        self._sync_lr()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _sync_lr(self):
+        # An lr scheduler writes param_groups[0]["lr"]; the servers hear of it before this
+        # iteration's first push, so the change applies from this iteration's round on.
+        if self._worker is not None and self.param_groups[0]["lr"] != self._lr:
+            self.set_lr(self.param_groups[0]["lr"])
 
     def _copy_mirrors(self):
         with torch.no_grad():

@@ -196,31 +196,23 @@ class Worker {
     o["beta2"] = j.optimizer.beta2;
     o["eps"] = j.optimizer.eps;
     o["weight_decay"] = j.optimizer.weight_decay;
+    o["dampening"] = j.optimizer.dampening;
+    o["nesterov"] = j.optimizer.nesterov;
     d["optimizer"] = o;
     return d;
   }
 
   dsync::TensorId Register(const std::string& name, py::handle init, py::object optimizer) {
     dsync::Worker& w = state_->Get();
-    {
-      std::lock_guard lock(state_->mu);
-      for (size_t i = 0; i < state_->tensors.size(); ++i) {
-        if (state_->tensors[i].name == name) {
-          PyErr_SetString(PyExc_ValueError,
-                          fmt::format("tensor '{}' is already registered by this worker (id {}, "
-                                      "shape {}); every tensor needs a name of its own", name, i,
-                                      ShapeText(state_->tensors[i].shape)).c_str());
-          throw py::error_already_set();
-        }
-      }
-    }
-    if (!optimizer.is_none()) CheckOptimizer(name, optimizer.cast<py::dict>(), w.job().optimizer);
+    dsync::TensorOptions options;
+    if (!optimizer.is_none()) options.optimizer = OptimizerFromDict(name, optimizer.cast<py::dict>());
     ArrayView v = ViewArray(init, fmt::format("tensor '{}'", name), false);
     RefuseCuda(v, fmt::format("tensor '{}'", name));
+    for (int64_t d : v.shape) options.shape.push_back(static_cast<uint64_t>(d));
     dsync::TensorId id = 0;
     {
       py::gil_scoped_release release;
-      auto r = w.Register(name, std::span<const float>(v.data, v.elements));
+      auto r = w.Register(name, std::span<const float>(v.data, v.elements), options);
       py::gil_scoped_acquire gil;
       id = ValueOrThrow(std::move(r));
     }
@@ -273,6 +265,16 @@ class Worker {
     return MakeRequest(h, {});
   }
 
+  dsync::Round SetLearningRate(double lr) {
+    dsync::Worker& w = state_->Get();
+    dsync::Result<dsync::Round> r = dsync::Error(dsync::StatusCode::kInternal, "not run");
+    {
+      py::gil_scoped_release release;
+      r = w.SetLearningRate(static_cast<float>(lr));
+    }
+    return ValueOrThrow(std::move(r));
+  }
+
   void WaitAll() {
     dsync::Status st;
     {
@@ -318,31 +320,32 @@ class Worker {
  private:
   explicit Worker(std::shared_ptr<WorkerState> state) : state_(std::move(state)) {}
 
-  // The optimizer the caller wants for a tensor must be the job's (the servers run one).
-  static void CheckOptimizer(const std::string& name, const py::dict& want,
-                             const dsync::OptimizerConfig& job) {
-    auto f = [&](const char* key, double have) {
-      if (!want.contains(key)) return std::string();
-      const double w = want[key].cast<double>();
-      if (static_cast<float>(w) == static_cast<float>(have)) return std::string();
-      return fmt::format(" {}={} (job: {})", key, w, have);
-    };
-    std::string diff;
-    const std::string kind = want.contains("kind") ? want["kind"].cast<std::string>() : "";
-    if (!kind.empty() && kind != dsync::OptimizerName(job.kind)) {
-      diff += fmt::format(" optimizer={} (job: {})", kind, dsync::OptimizerName(job.kind));
+  // {"kind": "adam", "lr": 0.001, ...}: torch.optim's names; what is left out keeps the
+  // defaults of OptimizerConfig. Unknown keys are refused (a typo would silently not apply).
+  static dsync::OptimizerConfig OptimizerFromDict(const std::string& name, const py::dict& d) {
+    dsync::OptimizerConfig o;
+    for (auto [key_obj, value] : d) {
+      const std::string key = py::str(key_obj);
+      if (key == "kind") {
+        o.kind = ValueOrThrow(dsync::ParseOptimizer(value.cast<std::string>()));
+      } else if (key == "nesterov") {
+        o.nesterov = value.cast<bool>();
+      } else {
+        float* field = key == "lr" ? &o.lr : key == "momentum" ? &o.momentum
+                     : key == "dampening" ? &o.dampening : key == "beta1" ? &o.beta1
+                     : key == "beta2" ? &o.beta2 : key == "eps" ? &o.eps
+                     : key == "weight_decay" ? &o.weight_decay : nullptr;
+        if (field == nullptr) {
+          ThrowIfError(dsync::Status(dsync::StatusCode::kInvalidArgument,
+                                     fmt::format("tensor '{}': unknown optimizer setting '{}' (kind, "
+                                                 "lr, momentum, dampening, nesterov, beta1, beta2, "
+                                                 "eps, weight_decay)", name, key)));
+        }
+        *field = static_cast<float>(value.cast<double>());
+      }
     }
-    diff += f("lr", job.lr);
-    if (job.kind == dsync::OptimizerKind::kMomentum) diff += f("momentum", job.momentum);
-    if (job.kind == dsync::OptimizerKind::kAdam) diff += f("beta1", job.beta1) + f("beta2", job.beta2) + f("eps", job.eps);
-    diff += f("weight_decay", job.weight_decay);
-    if (!diff.empty()) {
-      PyErr_SetString(PyExc_ValueError,
-                      fmt::format("tensor '{}': the job's servers run another optimizer:{}; start "
-                                  "the job with these settings (dsyncps launch --optimizer ... --lr ...)",
-                                  name, diff).c_str());
-      throw py::error_already_set();
-    }
+    ThrowIfError(dsync::ValidateOptimizer(o));
+    return o;
   }
 
   // Public for the module's _check_array.
@@ -415,6 +418,9 @@ PYBIND11_MODULE(_core, m) {
       .def("pull", &Worker::Pull, py::arg("tensor"), py::arg("out"))
       .def("push_pull", &Worker::PushPull, py::arg("tensor"), py::arg("grad"), py::arg("out"))
       .def("advance", &Worker::Advance, "commits this clock with what was pushed")
+      .def("set_lr", &Worker::SetLearningRate, py::arg("lr"),
+           "Changes every tensor's learning rate on the servers from a round the scheduler "
+           "picks (the same on every server); returns that round.")
       .def("wait_all", &Worker::WaitAll)
       .def("leave", &Worker::Leave)
       .def("abandon", &Worker::Abandon)

@@ -2,6 +2,11 @@
 
 #include <cmath>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "dsync/worker.h"  // TensorOptions::kMaxTensorDims
+
 namespace dsync::ps {
 
 std::string_view MsgTypeName(MsgType type) {
@@ -218,11 +223,18 @@ TensorSet TensorsOf(const CommitProof& proof) {
   return set;
 }
 
+std::string ShapeText(std::span<const uint64_t> shape) {
+  if (shape.size() == 1) return fmt::format("({},)", shape[0]);
+  return fmt::format("({})", fmt::join(shape, ", "));
+}
+
 void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out) {
   MetaWriter w(out);
   w.Put(meta.tensor_elements);
   w.Put(meta.slice_offset);
   w.PutString(meta.name);
+  w.Put(static_cast<uint8_t>(meta.shape.size()));
+  for (uint64_t d : meta.shape) w.Put(d);
   w.Put(static_cast<uint8_t>(meta.optimizer ? 1 : 0));
   if (!meta.optimizer) return;
   const OptimizerConfig& o = *meta.optimizer;
@@ -237,8 +249,20 @@ Status DecodeInit(std::span<const std::byte> meta, InitMeta& out) {
   MetaReader r(meta);
   const Status malformed = Error(StatusCode::kProtocol, "init metadata is malformed");
   uint8_t has_optimizer = 0;
+  uint8_t dims = 0;
   if (!r.Get(&out.tensor_elements) || !r.Get(&out.slice_offset) || !r.GetString(&out.name) ||
-      !r.Get(&has_optimizer) || has_optimizer > 1) {
+      !r.Get(&dims) || dims > TensorOptions::kMaxTensorDims) {
+    return malformed;
+  }
+  out.shape.assign(dims, 0);
+  uint64_t product = 1;
+  for (uint64_t& d : out.shape) {
+    // The product must be the element count, computed without overflow.
+    if (!r.Get(&d) || (d != 0 && product > out.tensor_elements / d)) return malformed;
+    product *= d;
+  }
+  if ((dims > 0 && product != out.tensor_elements) || !r.Get(&has_optimizer) ||
+      has_optimizer > 1) {
     return malformed;
   }
   out.optimizer.reset();

@@ -77,6 +77,8 @@ enum class MsgType : uint16_t {
 };
 
 std::string_view MsgTypeName(MsgType type);
+// A tensor shape as Python prints one: "(3, 4)", "(5,)", "()".
+std::string ShapeText(std::span<const uint64_t> shape);
 
 // The 64-byte frame header. The fields every frame has are named; the four words whose
 // meaning depends on the type are read and written through the accessors below, named for
@@ -275,6 +277,7 @@ struct InitMeta {
   uint64_t tensor_elements = 0;
   uint64_t slice_offset = 0;
   std::optional<OptimizerConfig> optimizer;
+  std::vector<uint64_t> shape;  // empty: not given; else its product is tensor_elements
 };
 void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out);
 Status DecodeInit(std::span<const std::byte> meta, InitMeta& out);

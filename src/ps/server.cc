@@ -323,6 +323,7 @@ class ServerNode final : public Server, public TransportHandler {
     std::string name;
     uint64_t elements = 0;
     OptimizerConfig optimizer;
+    std::vector<uint64_t> shape;  // of the first registration that gave one
   };
   struct PendingRound {
     Round round;
@@ -412,6 +413,14 @@ class ServerNode final : public Server, public TransportHandler {
     }
     std::shared_lock lock(slices_mu_);
     if (auto t = tensors_.find(h.tensor()); t != tensors_.end()) {
+      if (t->second.name == im.name && !t->second.shape.empty() && !im.shape.empty() &&
+          t->second.shape != im.shape) {
+        return Error(StatusCode::kInvalidArgument,
+                     "tensor {} '{}' has shape {} on server {}, but this worker registers shape "
+                     "{}: every worker must build the same model",
+                     h.tensor(), im.name, ShapeText(t->second.shape), id_.load(),
+                     ShapeText(im.shape));
+      }
       if (t->second.name != im.name || t->second.elements != im.tensor_elements) {
         return Error(StatusCode::kInvalidArgument,
                      "tensor {} is '{}' ({} elements) on server {}, but this worker registers "
@@ -487,7 +496,8 @@ class ServerNode final : public Server, public TransportHandler {
         // A tensor's slices here share the optimizer of its first registration.
         auto t = tensors_.try_emplace(h.tensor(),
                                       TensorMeta{im.name, im.tensor_elements,
-                                                 im.optimizer.value_or(job_.optimizer)});
+                                                 im.optimizer.value_or(job_.optimizer),
+                                                 im.shape});
         s->optimizer = t.first->second.optimizer;
         slice_list_.push_back(s.get());
         slices_.emplace(key, std::move(s));

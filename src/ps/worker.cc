@@ -134,7 +134,24 @@ class WorkerNode final : public Worker, public TransportHandler {
         return st.WithContext(fmt::format("register tensor '{}'", name));
       }
     }
+    if (!options.shape.empty()) {
+      uint64_t product = 1;
+      for (uint64_t d : options.shape) product *= d;
+      if (options.shape.size() > TensorOptions::kMaxTensorDims || product != init.size()) {
+        return Error(StatusCode::kInvalidArgument,
+                     "register tensor '{}': shape {} does not hold its {} elements (or has more "
+                     "than {} dimensions)",
+                     name, ShapeText(options.shape), init.size(), TensorOptions::kMaxTensorDims);
+      }
+    }
     std::unique_lock lock(mu_);
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (tensors_[i].name == name) {
+        return Error(StatusCode::kInvalidArgument,
+                     "register tensor '{}': this worker registered that name already (tensor {}); "
+                     "every tensor needs a name of its own", name, i);
+      }
+    }
     DSYNC_RETURN_IF_ERROR(broken_);
     if (clock_ != job_.start_clock || !clocks_.empty()) {
       return Error(StatusCode::kFailedPrecondition,
@@ -156,7 +173,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     ops_[op].version = std::numeric_limits<Version>::max();
     std::vector<std::byte> meta;
     for (const SliceRef& s : tensor.layout.slices) {
-      EncodeInit({tensor.name, init.size(), s.offset, options.optimizer}, meta);
+      EncodeInit({tensor.name, init.size(), s.offset, options.optimizer, options.shape}, meta);
       FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
       Status st = SendPayload(servers_[s.server], h, meta, init.data() + s.offset,
                               s.elements * sizeof(float));

@@ -87,3 +87,20 @@ def test_join_ctrl_c_and_sigkill_keep_the_model_exact(launch, tmp_path):
     for f in files:
         for s in json.load(open(f))["slices"]:
             assert s["min"] == applied and s["max"] == applied, (f, s, applied)
+
+
+@pytest.mark.parametrize("config", [
+    {"optimizer": "sgd", "lr": 0.1, "weight_decay": 0.01},
+    {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-3},
+    {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    {"optimizer": "adam", "lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01},
+    {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.05},
+], ids=["sgd", "sgd-momentum-dampening", "sgd-nesterov", "adam", "adamw"])
+def test_server_optimizers_agree_with_torch_optim_under_bsp(launch, config):
+    # The job's own optimizer differs on purpose: the tensors' registration decides.
+    job = launch(["torch_worker.py", "--mode", "agree", "--iters", "12", "--config",
+                  json.dumps(config)], workers=1, flags=["--optimizer", "sum"])
+    (r,) = reports(job)
+    assert r["version"] == 12, r
+    assert r["lr"] == pytest.approx(config["lr"] * 0.125), r  # StepLR drove it: 3 halvings
+    assert r["worst"] <= 1e-6, r

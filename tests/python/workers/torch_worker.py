@@ -16,6 +16,7 @@ p.add_argument("--mode", default="train")
 p.add_argument("--iters", type=int, default=40)
 p.add_argument("--out", default="")
 p.add_argument("--joiner", action="store_true")
+p.add_argument("--config", default="{}")
 a = p.parse_args()
 rank = dps.rank()
 torch.manual_seed(1234)  # every worker builds the same initial model
@@ -195,3 +196,42 @@ elif a.mode == "exact":
     dps.shutdown()  # before waiting: under bsp the joiner's rounds need this worker or its leave
     if joiner is not None:
         assert joiner.wait(timeout=60) == 0
+
+elif a.mode == "agree":
+    # The same gradients into dsyncps (servers run the optimizer) and into torch.optim here,
+    # both driven by the same lr scheduler: the parameters must agree after every step.
+    cfg = json.loads(a.config)
+    kind = cfg.pop("optimizer")
+    torch.manual_seed(7)
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    dps.init()
+    opt = dps.ServerOptimizer([("p%d" % i, p) for i, p in enumerate(params)], kind, **cfg)
+    if kind in ("sgd", "momentum"):
+        torch_opt = torch.optim.SGD(ref, **cfg)
+    else:
+        torch_opt = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind](ref, **cfg)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (opt, torch_opt)]
+    g = torch.Generator().manual_seed(11)
+    worst = worst_elem = 0.0
+    for k in range(a.iters):
+        scale = 10.0 ** ((k % 5) - 2)  # gradients from 0.01 to 100
+        grads = [torch.randn(s, generator=g) * scale for s in shapes]
+        opt.zero_grad()
+        sum((p * G).sum() for p, G in zip(params, grads)).backward()
+        opt.step()
+        torch_opt.zero_grad()
+        for r, G in zip(ref, grads):
+            r.grad = G.clone()
+        torch_opt.step()
+        for s_ in scheds:
+            s_.step()
+        for p_, r in zip(params, ref):
+            # relative to the tensor's magnitude (an element near zero has no scale of its own)
+            rel = float((p_.detach() - r.detach()).abs().max() / r.detach().abs().max())
+            worst = max(worst, rel)
+            elem = float(((p_.detach() - r.detach()).abs() / r.detach().abs().clamp_min(1e-3)).max())
+            worst_elem = max(worst_elem, elem)
+    report(rank=rank, worst=worst, worst_elem=worst_elem, lr=opt.param_groups[0]["lr"], version=opt.version)
+    dps.shutdown()
