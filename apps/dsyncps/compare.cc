@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -100,9 +101,34 @@ int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string
     PrintRunSummary(*m);
     runs.push_back(std::move(*m));
   }
+  return ReportComparison(runs, dir, title);
+}
+
+int RunCompareFiles(const std::vector<std::string>& paths, const std::string& out_dir,
+                    const std::string& title, std::optional<double> target) {
+  std::vector<train::RunMetrics> runs;
+  for (const std::string& p : paths) {
+    const std::string file =
+        std::filesystem::is_directory(p) ? (std::filesystem::path(p) / "summary.json").string() : p;
+    auto m = train::ReadSummaryJson(file);
+    if (!m.ok()) return Fail(m.status());
+    if (target) {
+      m->target = *target;
+      train::ComputeTargetTimes(*m);
+    }
+    runs.push_back(std::move(*m));
+  }
+  if (runs.empty()) return Fail(Error(StatusCode::kInvalidArgument, "--runs names no run"));
+  const std::string dir = out_dir.empty() ? std::string("dsyncps-compare") : out_dir;
+  if (Status s = MakeDirectories(dir); !s.ok()) return Fail(s);
+  return ReportComparison(runs, dir, title);
+}
+
+int ReportComparison(const std::vector<train::RunMetrics>& runs, const std::string& dir,
+                     const std::string& title) {
   const std::string scenario = runs.front().scenario;
   std::printf("\n=== dsyncps compare: %u workers, %s; time to %.0f %% test accuracy ===\n",
-              spec.workers, scenario.c_str(), 100 * spec.target);
+              runs.front().workers, scenario.c_str(), 100 * runs.front().target);
   std::printf("%s", train::CompareTable(runs).c_str());
   bool all_ok = true;
   for (const train::RunMetrics& m : runs) all_ok = all_ok && m.ok;
@@ -116,7 +142,8 @@ int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string
   std::printf("@compare {\"scenario\":\"%s\",\"dir\":\"%s\",\"runs\":%zu,\"ok\":%s}\n",
               scenario.c_str(), dir.c_str(), runs.size(), all_ok ? "true" : "false");
   auto plots = train::WritePlots(
-      runs, dir, title.empty() ? fmt::format("{} workers, {}", spec.workers, scenario) : title);
+      runs, dir,
+      title.empty() ? fmt::format("{} workers, {}", runs.front().workers, scenario) : title);
   if (plots.ok()) {
     std::printf("plots: %s, %s; table: %s/compare.csv\n", (*plots)[0].c_str(),
                 (*plots)[1].c_str(), dir.c_str());

@@ -70,6 +70,7 @@ struct MainJobCli {
   std::vector<std::string> straggler, join, leave, kill, latency;
   std::string modes = "bsp,dsync:4,dsync:4,3,ssp:4,asp,dsync:auto";
   std::string title;
+  std::vector<std::string> runs;  // compare these finished runs instead of running jobs
 };
 
 void AddMainJobFlags(CLI::App& app, MainJobCli& c) {
@@ -205,6 +206,10 @@ int main(int argc, char** argv) {
   cmp->add_option("--out", main_cli.spec.out_dir, "folder for the table, curves and plots")
       ->capture_default_str();
   cmp->add_option("--title", main_cli.title, "plot title (default: the scenario)");
+  cmp->add_option("--runs", main_cli.runs,
+                  "compare finished runs instead of running jobs: folders holding a summary.json "
+                  "(dsyncps train --out, examples/pytorch/fmnist_cnn.py --out) or the files")
+      ->delimiter(',');
   main_cli.spec.out_dir = "dsyncps-compare";
   for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
   dsync::app::AddServerFlags(*server, config, text);
@@ -294,6 +299,12 @@ int main(int argc, char** argv) {
       return 2;
     }
     MainJobCli& c = main_cli;
+    if (cmp->parsed() && !c.runs.empty()) {
+      const bool target_given = cmp->get_option("--target")->count() > 0;
+      return dsync::app::RunCompareFiles(
+          c.runs, c.spec.out_dir, c.title,
+          target_given ? std::optional<double>(c.spec.target) : std::nullopt);
+    }
     dsync::app::EnsureJobToken(main_config);
     c.spec.job = main_config;
     if (trn->parsed() && trn->get_option("--out")->count() == 0) c.spec.out_dir.clear();

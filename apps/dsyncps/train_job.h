@@ -65,6 +65,14 @@ namespace dsync::app {
 int RunTrainCommand(const std::string& self, const TrainSpec& spec);
 // `dsyncps compare`: one job per sync mode in `modes` ("bsp,dsync:4,3,..."), then a table,
 // compare.csv/compare.json and the plots in spec.out_dir; exit code.
+// `dsyncps compare --runs A,B,...`: the table and plots of finished runs (folders with a
+// summary.json, or the files), e.g. of examples/pytorch/fmnist_cnn.py --out; `target`
+// overrides each run's own.
+int RunCompareFiles(const std::vector<std::string>& paths, const std::string& out_dir,
+                    const std::string& title, std::optional<double> target);
+// Prints the table and writes compare.csv, compare.json and the plots into `dir`.
+int ReportComparison(const std::vector<train::RunMetrics>& runs, const std::string& dir,
+                     const std::string& title);
 int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string& modes,
                       const std::string& title);
 

@@ -110,6 +110,53 @@ Status WriteSummaryJson(const RunMetrics& m, const std::string& path) {
   return WriteText(path, j.dump(2) + "\n");
 }
 
+Result<RunMetrics> ReadSummaryJson(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Error(StatusCode::kNotFound, "cannot read '{}'", path);
+  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Error(StatusCode::kInvalidArgument, "'{}' is not a JSON object", path);
+  }
+  RunMetrics m;
+  // Numbers of the wrong type or missing fields read as their defaults; only the curve is
+  // required, since everything that is compared comes from it.
+  auto num = [&](const json& o, const char* key, double fallback) {
+    auto it = o.find(key);
+    return it != o.end() && it->is_number() ? it->get<double>() : fallback;
+  };
+  auto text = [&](const char* key) {
+    auto it = j.find(key);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  m.label = text("label");
+  m.sync = text("sync");
+  m.scenario = text("scenario");
+  m.workers = static_cast<uint32_t>(num(j, "workers", 0));
+  m.servers = static_cast<uint32_t>(num(j, "servers", 0));
+  m.batch = static_cast<uint32_t>(num(j, "batch", 0));
+  m.ok = j.value("ok", false);
+  m.seconds = num(j, "seconds", 0);
+  m.final_version = static_cast<Version>(num(j, "final_version", 0));
+  m.gradients = static_cast<uint64_t>(num(j, "gradients", 0));
+  m.final_accuracy = num(j, "final_accuracy", 0);
+  m.final_loss = num(j, "final_loss", 0);
+  m.target = num(j, "target", 0.85);
+  auto curve = j.find("curve");
+  if (curve == j.end() || !curve->is_array() || curve->empty()) {
+    return Error(StatusCode::kInvalidArgument,
+                 "'{}' has no curve (a summary.json written with --out has one)", path);
+  }
+  for (const json& p : *curve) {
+    if (!p.is_object()) return Error(StatusCode::kInvalidArgument, "'{}': a curve point is not an object", path);
+    m.curve.push_back({num(p, "seconds", 0), static_cast<Version>(num(p, "round", 0)),
+                       static_cast<uint64_t>(num(p, "gradients", 0)), num(p, "accuracy", 0),
+                       num(p, "test_loss", 0), num(p, "train_loss", 0)});
+  }
+  if (m.label.empty()) m.label = m.sync.empty() ? path : m.sync;
+  ComputeTargetTimes(m);
+  return m;
+}
+
 std::string CompareTable(const std::vector<RunMetrics>& runs) {
   const std::string pct =
       runs.empty() ? std::string("target") : fmt::format("{:.0f}%", 100 * runs[0].target);

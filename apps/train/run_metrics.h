@@ -53,6 +53,9 @@ void ComputeTargetTimes(RunMetrics& m);
 Status WriteCurveCsv(const RunMetrics& m, const std::string& path);
 std::string SummaryJson(const RunMetrics& m);  // one line, without the curve
 Status WriteSummaryJson(const RunMetrics& m, const std::string& path);  // with the curve
+// Reads what WriteSummaryJson wrote (or another program wrote in its format, such as
+// examples/pytorch/fmnist_cnn.py); the target times are recomputed from the curve.
+Result<RunMetrics> ReadSummaryJson(const std::string& path);
 
 // Comparison of runs (one per sync mode): a table as text, as CSV, and gnuplot plots.
 std::string CompareTable(const std::vector<RunMetrics>& runs);

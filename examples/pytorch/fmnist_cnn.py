@@ -3,6 +3,11 @@
 
     dsyncps launch --workers 4 --servers 2 --sync dsync:auto -- python3 fmnist_cnn.py
     torchrun --nproc_per_node 4 fmnist_cnn.py --ddp
+    python3 fmnist_cnn.py --ddp --nproc 4      # the same, where torchrun does not run
+
+(Debian 12's torchrun, from PyTorch 1.13 on Python 3.11, fails before it starts anything,
+in torch.distributed.elastic's Std.from_str; --nproc starts the DDP processes the way
+torchrun would, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.)
 
 The lines marked "dsyncps" are all it takes. The optimizer runs on the servers (momentum
 SGD here); with --ddp it runs in every process, after DDP's all-reduce (gloo).
@@ -21,6 +26,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import time
 
 START = time.monotonic()
@@ -37,6 +43,7 @@ import dsyncps.torch as dps  # dsyncps  # noqa: E402
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ddp", action="store_true", help="train with DistributedDataParallel (torchrun)")
+    p.add_argument("--nproc", type=int, default=0, help="with --ddp: start this many processes here")
     p.add_argument("--epochs", type=float, default=3.0, help="passes over the training set, all workers together")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
@@ -105,7 +112,8 @@ def main():
     else:
         dps.init()  # dsyncps
         opt = dps.ServerOptimizer(model, "momentum", lr=args.lr, momentum=args.momentum)  # dsyncps
-        rank, workers = dps.rank(), int(os.environ.get("DSYNC_NUM_WORKERS", "1"))
+        rank = int(os.environ.get("DSYNC_WORKER_RANK", "0"))
+        workers = int(os.environ.get("DSYNC_NUM_WORKERS", "1"))
     x, y = fashion_mnist(args, train=True)
     shard = torch.arange(rank, len(x), workers)
     steps = int(args.epochs * len(x) / (args.batch * workers))
@@ -114,13 +122,16 @@ def main():
     next_copy = 0.0
     step = 0
     for step in range(steps):
-        t0 = time.monotonic()
         idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
         opt.zero_grad()
+        t0 = time.monotonic()
         loss = F.cross_entropy(model(x[idx]), y[idx])
+        forward = time.monotonic() - t0
         loss.backward()
         if rank == args.slow_rank and args.slow_factor > 1:
-            time.sleep((args.slow_factor - 1) * (time.monotonic() - t0))
+            # Slower by the factor on compute alone (backward ~ 2x forward), measured before any
+            # communication, so DDP's straggler and dsyncps's are slowed alike.
+            time.sleep((args.slow_factor - 1) * 3 * forward)
         opt.step()
         losses.append(float(loss))
         if rank == 0 and time.monotonic() - START >= next_copy:
@@ -184,5 +195,29 @@ def report(args, snapshots, seconds, workers, steps):
     print("@train " + json.dumps(summary), flush=True)
 
 
+def spawn(nproc):
+    """Starts `nproc` copies of this script as torchrun would; returns the first bad exit."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [a for a in sys.argv if not a.startswith("--nproc")]
+    if "--nproc" in sys.argv:  # "--nproc N" as two arguments
+        i = sys.argv.index("--nproc")
+        argv = sys.argv[:i] + sys.argv[i + 2:]
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable] + argv, env=env))
+    codes = [p.wait() for p in procs]
+    return next((c for c in codes if c != 0), 0)
+
+
 if __name__ == "__main__":
+    if "--ddp" in sys.argv and "RANK" not in os.environ:
+        a = parse()
+        if a.nproc > 0:
+            raise SystemExit(spawn(a.nproc))
     main()
