@@ -1,0 +1,73 @@
+"""The Python sides of bench/python/overhead.py: the same iterations as step_worker.cc through
+the core (--mode core: push_pull per tensor, then wait) or through dsyncps.torch (--mode
+torch: backward hooks and step(); the backward pass alone is timed too, so the layer's own
+cost can be told from autograd's). Prints one JSON line like step_worker.cc."""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+import dsyncps
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", default="core")
+p.add_argument("--steps", type=int, default=60)
+p.add_argument("--sizes", default="600000,300000,99000,1000")
+a = p.parse_args()
+sizes = [int(s) for s in a.sizes.split(",")]
+
+
+def median_after_warmup(ms):
+    warm = min(len(ms) // 5, 10)
+    return statistics.median(ms[warm:]), len(ms) - warm
+
+
+if a.mode == "core":
+    w = dsyncps.init()
+    model = [np.full(n, 0.5, np.float32) for n in sizes]
+    grad = [np.full(n, 1e-3, np.float32) for n in sizes]
+    ids = [w.register("t%d" % i, m) for i, m in enumerate(model)]
+    ms = []
+    for k in range(a.steps):
+        t0 = time.perf_counter()
+        reqs = [w.push_pull(t, g, m) for t, g, m in zip(ids, grad, model)]
+        for r in reqs:
+            r.wait()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    med, n = median_after_warmup(ms)
+    print(json.dumps({"mode": "core", "ms_per_step": med, "steps": n}), flush=True)
+else:
+    import torch
+
+    import dsyncps.torch as dps
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.full((n,), 0.5)) for n in sizes]
+    coeff = [torch.full((n,), 1e-3) for n in sizes]
+
+    def backward():
+        sum((p_ * c).sum() for p_, c in zip(params, coeff)).backward()
+
+    # zero_grad and autograd alone, the same passes: what any training loop pays without dsyncps
+    plain = []
+    for k in range(a.steps):
+        t0 = time.perf_counter()
+        for p_ in params:  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
+            if p_.grad is not None:
+                p_.grad.zero_()
+        backward()
+        plain.append((time.perf_counter() - t0) * 1e3)
+    dps.init()
+    opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd", lr=0.01)
+    ms = []
+    for k in range(a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        backward()
+        opt.step()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    med, n = median_after_warmup(ms)
+    print(json.dumps({"mode": "torch", "ms_per_step": med, "steps": n,
+                      "backward_ms": median_after_warmup(plain)[0]}), flush=True)
+dsyncps.shutdown()
