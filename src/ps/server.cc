@@ -247,7 +247,7 @@ class ServerNode final : public Server, public TransportHandler {
         return buf;
       }
       case MsgType::kInit: {
-        ps->verdict = CheckInit(h, meta, &ps->init_exists);
+        ps->verdict = CheckInit(h, meta, ps->observer, &ps->init_exists);
         if (!ps->verdict.ok() || ps->init_exists) return nullptr;
         void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
@@ -391,7 +391,9 @@ class ServerNode final : public Server, public TransportHandler {
     return std::max<uint64_t>(1, job_.slice_bytes / sizeof(float));
   }
 
-  Status CheckInit(const FrameHeader& h, std::span<const std::byte> meta, bool* exists) {
+  // `observer`: an observer that names no optimizer reads the tensor whatever it runs.
+  Status CheckInit(const FrameHeader& h, std::span<const std::byte> meta, bool observer,
+                   bool* exists) {
     InitMeta im;
     DSYNC_RETURN_IF_ERROR(DecodeInit(meta, im));
     if (h.dtype != static_cast<uint8_t>(DType::kFloat32)) {
@@ -430,7 +432,7 @@ class ServerNode final : public Server, public TransportHandler {
                      im.tensor_elements);
       }
       const OptimizerConfig asked = im.optimizer.value_or(job_.optimizer);
-      if (!SameBesidesLearningRate(asked, t->second.optimizer)) {
+      if (!(observer && !im.optimizer) && !SameBesidesLearningRate(asked, t->second.optimizer)) {
         return Error(StatusCode::kInvalidArgument,
                      "tensor {} '{}' runs {} on server {}, but this worker registers it with {}: "
                      "every worker must register a tensor with the same optimizer (only the "

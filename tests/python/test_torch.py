@@ -104,3 +104,16 @@ def test_server_optimizers_agree_with_torch_optim_under_bsp(launch, config):
     assert r["version"] == 12, r
     assert r["lr"] == pytest.approx(config["lr"] * 0.125), r  # StepLR drove it: 3 halvings
     assert r["worst"] <= 1e-6, r
+
+
+def test_the_budget_stops_the_loop_and_state_dict_saves_the_servers_model(launch):
+    job = launch(["torch_worker.py", "--mode", "save"], workers=2, servers=2,
+                 flags=["--max-gradients", "40", "--slice-bytes", "256"])
+    rs = reports(job)
+    assert len(rs) == 2, job.out[-3000:]
+    for r in rs:
+        # the budget of 40 gradients, 2 per round: about 20 steps each, not the 1000 allowed
+        assert 20 <= r["steps"] <= 22, r
+        assert r["same"], r  # torch.save / torch.load of state_dict == the worker's model
+        assert "1.running_mean" in r["keys"] and "0.weight" in r["keys"], r
+    assert sum(len(x["members"]) for x in job.rounds()) >= 40

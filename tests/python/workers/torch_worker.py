@@ -235,3 +235,26 @@ elif a.mode == "agree":
             worst_elem = max(worst_elem, elem)
     report(rank=rank, worst=worst, worst_elem=worst_elem, lr=opt.param_groups[0]["lr"], version=opt.version)
     dps.shutdown()
+
+elif a.mode == "save":
+    # Train until the job's budget says stop; then save through an observer: a regular state
+    # dict, buffers included, equal to the model every worker holds (bsp).
+    model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    dps.init()
+    opt = dps.ServerOptimizer(model, "adam", lr=0.01)
+    x, y = data(200 + rank)
+    steps = 0
+    while not opt.should_stop() and steps < 1000:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        steps += 1
+    sd = dps.state_dict(model)
+    path = "model.%d.pt" % rank
+    torch.save(sd, path)
+    back = torch.load(path)
+    same = all(torch.equal(back[k], v.detach()) for k, v in model.state_dict().items())
+    report(rank=rank, steps=steps, same=same, keys=sorted(back),
+           version=opt.version)
+    dps.shutdown()
