@@ -30,6 +30,11 @@ def init(settings=None):
     with _lock:
         if _worker is not None and not _worker.closed:
             return _worker
+        if not settings and not any(k.startswith(("DSYNC_", "DMLC_")) for k in os.environ):
+            raise RuntimeError("this process is not part of a dsyncps job (no DSYNC_* variable "
+                               "is set): start it with `dsyncps launch --workers N -- python3 "
+                               "SCRIPT`, or add it to a running job with `dsyncps join -- "
+                               "python3 SCRIPT`")
         _worker = Worker.start({str(k): str(v) for k, v in (settings or {}).items()})
         atexit.register(shutdown)
         _leave_on_sigterm()

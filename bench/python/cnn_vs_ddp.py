@@ -1,0 +1,94 @@
+#!/usr/bin/python3
+"""examples/pytorch/fmnist_cnn.py under dsyncps (bsp, dsync:auto) and under DDP (gloo), side
+by side on this machine: balanced, and with one worker 3x slower on its compute. Runs are
+interleaved (each repetition runs every cell once); the table shows medians of the time to
+first reach and to stay at the target test accuracy, the final accuracy and the job time,
+and the ratios to DDP. Prints a table and a RESULT {json} line; the runs' folders stay in OUT
+(`dsyncps compare --runs` plots any of them).
+
+    bench/python/cnn_vs_ddp.py BUILD_DIR [--runs 3] [--epochs 4] [--workers 4] [--out DIR]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+p = argparse.ArgumentParser()
+p.add_argument("build")
+p.add_argument("--runs", type=int, default=3)
+p.add_argument("--epochs", type=float, default=4)
+p.add_argument("--workers", type=int, default=4)
+p.add_argument("--servers", type=int, default=2)
+p.add_argument("--target", type=float, default=0.90)
+p.add_argument("--out", default="cnn-vs-ddp")
+a = p.parse_args()
+here = os.path.dirname(os.path.abspath(__file__))
+example = os.path.join(here, "..", "..", "examples", "pytorch", "fmnist_cnn.py")
+dsyncps = os.path.join(a.build, "apps", "dsyncps", "dsyncps")
+env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
+scenarios = {"balanced": [], "straggler": ["--slow-rank", str(a.workers - 1), "--slow-factor", "3"]}
+modes = ["ddp", "bsp", "dsync:auto"]
+
+
+def run(mode, scenario, rep):
+    folder = os.path.join(a.out, "%s-%s-%d" % (scenario, mode.replace(":", "_"), rep))
+    args = ["--epochs", str(a.epochs), "--target", str(a.target), "--out", folder, "--label",
+            mode] + scenarios[scenario]
+    if mode == "ddp":
+        cmd = [sys.executable, example, "--ddp", "--nproc", str(a.workers)] + args
+    else:
+        cmd = [dsyncps, "launch", "--workers", str(a.workers), "--servers", str(a.servers),
+               "--sync", mode, "--timeout", "1500", "--", sys.executable, example] + args
+    out = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=1600).stdout
+    path = os.path.join(folder, "summary.json")
+    if not os.path.exists(path):
+        raise SystemExit("%s wrote no summary:\n%s" % (" ".join(cmd), out[-3000:]))
+    with open(path) as f:
+        s = json.load(f)
+    print("  %-9s %-10s rep %d: reach %s s, stays %s s, final %.4f, %.1f s" % (
+        scenario, mode, rep, fmt(s["first_reach_s"]), fmt(s["stays_from_s"]),
+        s["final_accuracy"], s["seconds"]), flush=True)
+    return s
+
+
+def fmt(v):
+    return "-" if v is None else "%.1f" % v
+
+
+def med(values):
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if len(vals) == len(values) and vals else None
+
+
+results = {(sc, m): [] for sc in scenarios for m in modes}
+for rep in range(a.runs):
+    for sc in scenarios:
+        for m in modes:
+            results[(sc, m)].append(run(m, sc, rep))
+
+print("\n%d workers, %g epochs, target %.0f %%, medians of %d runs" % (
+    a.workers, a.epochs, 100 * a.target, a.runs))
+print("%-10s %-11s %8s %8s %9s %8s %10s %10s" % ("scenario", "mode", "reach_s", "stays_s",
+                                                  "final_acc", "time_s", "stays/ddp", "time/ddp"))
+summary = {}
+for sc in scenarios:
+    base = results[(sc, "ddp")]
+    for m in modes:
+        rs = results[(sc, m)]
+        reach = med([r["first_reach_s"] for r in rs])
+        stays = med([r["stays_from_s"] for r in rs])
+        final = statistics.median(r["final_accuracy"] for r in rs)
+        secs = statistics.median(r["seconds"] for r in rs)
+        bstays = med([r["stays_from_s"] for r in base])
+        bsecs = statistics.median(r["seconds"] for r in base)
+        ratio = stays / bstays if stays and bstays else None
+        print("%-10s %-11s %8s %8s %9.4f %8.1f %10s %10.2f" % (
+            sc, m, fmt(reach), fmt(stays), final, secs, "-" if ratio is None else "%.2f" % ratio,
+            secs / bsecs))
+        summary["%s/%s" % (sc, m)] = {"reach_s": reach, "stays_s": stays, "final_acc": final,
+                                      "seconds": secs, "stays_vs_ddp": ratio}
+print("RESULT " + json.dumps({"bench": "cnn_vs_ddp", "workers": a.workers, "epochs": a.epochs,
+                              "target": a.target, "runs": a.runs, "cells": summary}))
