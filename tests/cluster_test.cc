@@ -589,14 +589,17 @@ TEST(Cluster, EachTensorRunsTheOptimizerItWasRegisteredWith) {
             std::string::npos)
       << why;
   EXPECT_NE(why.find("registers it with sgd(lr 0.1, weight_decay 0)"), std::string::npos) << why;
-  // The job's optimizer, asked for implicitly, is no different from asking for it.
+  // An observer that names no optimizer reads the tensor whatever it runs; the refusal before
+  // left nothing behind (the same id, slices placed as on every worker).
   auto implicit = (*observer)->Register("a", probe);
-  ASSERT_FALSE(implicit.ok());
-  EXPECT_NE(implicit.status().message().find("registers it with sgd(lr 0.1"), std::string::npos);
+  ASSERT_TRUE(implicit.ok()) << implicit.status().ToString();
+  EXPECT_EQ(*implicit, 0u);
   // The learning rate may differ.
+  auto second = StartObserver(cluster);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
   OptimizerConfig faster = adam;
   faster.lr = 0.5f;
-  auto taken = (*observer)->Register("a", probe, {faster});
+  auto taken = (*second)->Register("a", probe, {faster});
   ASSERT_TRUE(taken.ok()) << taken.status().ToString();
   EXPECT_EQ(*taken, 0u);
 
@@ -618,10 +621,69 @@ TEST(Cluster, EachTensorRunsTheOptimizerItWasRegisteredWith) {
   }
   // Different optimizers really were at work: the same gradients took them apart.
   EXPECT_NE(ref[0].w[0], ref[1].w[0]);
+  // The observer reads what the workers read.
+  ASSERT_TRUE((*observer)->Wait((*observer)->Pull(0, probe.data())).ok());
+  for (size_t i = 0; i < sizes[0]; ++i) ASSERT_EQ(probe[i], ref[0].w[i]) << "element " << i;
   ASSERT_TRUE((*observer)->Leave().ok());
+  ASSERT_TRUE((*second)->Leave().ok());
   for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
   ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(10)).ok());
   EXPECT_EQ(cluster.scheduler().history().size(), kSteps);
+}
+
+// A worker that names no optimizer asks for the job's: refused like one naming it when the
+// tensor runs another, and its refused registration leaves nothing behind, so the same name
+// with an optimizer that differs in lr only then takes the same id and placement; the job
+// trains on.
+TEST(Cluster, AWorkerAskingForTheJobsOptimizerImplicitlyIsCheckedLikeOneNamingIt) {
+  Config cfg = TestConfig("bsp", 2, 2);
+  cfg.optimizer.kind = OptimizerKind::kSgd;
+  cfg.optimizer.lr = 0.1f;
+  cfg.slice_bytes = 64;  // 16 floats a slice: the tensors span both servers
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), 2);
+  ASSERT_EQ(workers.size(), 2u);
+  OptimizerConfig adam;
+  adam.kind = OptimizerKind::kAdam;
+  adam.lr = 0.01f;
+  std::vector<float> x(40, 1.0f), y(20, 2.0f);
+  ASSERT_TRUE(workers[0]->Register("x", x, {adam}).ok());
+  ASSERT_TRUE(workers[0]->Register("y", y).ok());
+
+  Worker& late = *workers[1];
+  auto implicit = late.Register("x", x);
+  ASSERT_FALSE(implicit.ok());
+  EXPECT_EQ(implicit.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(implicit.status().message().find("registers it with sgd(lr 0.1"), std::string::npos)
+      << implicit.status().ToString();
+  OptimizerConfig faster = adam;
+  faster.lr = 0.02f;
+  auto x_id = late.Register("x", x, {faster});
+  ASSERT_TRUE(x_id.ok()) << x_id.status().ToString();
+  EXPECT_EQ(*x_id, 0u);
+  auto y_id = late.Register("y", y);
+  ASSERT_TRUE(y_id.ok()) << y_id.status().ToString();
+  EXPECT_EQ(*y_id, 1u);
+
+  std::vector<float> gx(x.size(), 0.5f), gy(y.size(), 1.0f);
+  std::vector<std::thread> threads;
+  for (auto& w : workers) {
+    threads.emplace_back([&, wp = w.get()] {
+      wp->Push(0, gx.data());
+      wp->Push(1, gy.data());
+      EXPECT_TRUE(wp->WaitAll().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  // sgd at 0.1 on y, over the mean of the round's gradients: 2 - 0.1 * (1 + 1) / 2.
+  std::vector<float> out(y.size());
+  Version version = 0;
+  ASSERT_TRUE(late.Wait(late.Pull(1, out.data()), &version).ok());
+  EXPECT_EQ(version, 1u);
+  for (float v : out) EXPECT_FLOAT_EQ(v, 1.9f);
+  for (auto& w : workers) ASSERT_TRUE(w->Leave().ok());
+  ASSERT_TRUE(cluster.WaitFinished(std::chrono::seconds(10)).ok());
 }
 
 // --- Learning-rate changes ----------------------------------------------------------------

@@ -353,6 +353,22 @@ TEST(Slicing, CutsTensorsAndBalancesSlicesOverServers) {
   EXPECT_FALSE(planner.Plan(9, 0).ok());
 }
 
+TEST(Slicing, AnUnplannedTensorLeavesThePlacementAsIfItWasNeverPlanned) {
+  SlicePlanner planner(8, 4, 2);  // 2 floats a slice
+  SlicePlanner reference(8, 4, 2);
+  ASSERT_TRUE(planner.Plan(0, 3).ok());
+  ASSERT_TRUE(reference.Plan(0, 3).ok());
+  auto refused = planner.Plan(1, 3);  // slices on servers 0, 1
+  ASSERT_TRUE(refused.ok());
+  planner.Unplan(*refused);
+  auto again = planner.Plan(1, 5);
+  auto expected = reference.Plan(1, 5);
+  ASSERT_TRUE(again.ok() && expected.ok());
+  ASSERT_EQ(again->slices.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(again->slices[i].server, expected->slices[i].server);
+  EXPECT_EQ(again->slices[0].server, 0u);
+}
+
 TEST(Credentials, AreBoundToTheJobKeyTheIdAndTheKind) {
   const JobKey key = RandomJobKey();
   const JobKey other = RandomJobKey();

@@ -32,4 +32,8 @@ Result<TensorLayout> SlicePlanner::Plan(TensorId tensor, uint64_t elements) {
   return layout;
 }
 
+void SlicePlanner::Unplan(const TensorLayout& latest) {
+  next_slot_ -= std::min<uint64_t>(next_slot_, latest.slices.size());
+}
+
 }  // namespace dsync::ps

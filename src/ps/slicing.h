@@ -33,6 +33,9 @@ class SlicePlanner {
   SlicePlanner(uint64_t slice_bytes, uint32_t elem_size, uint32_t num_servers);
 
   Result<TensorLayout> Plan(TensorId tensor, uint64_t elements);
+  // Takes back the latest Plan (a registration the servers refused), so that the next tensor
+  // is placed as if the refused one had never been planned, as on every other worker.
+  void Unplan(const TensorLayout& latest);
   uint64_t slice_elements() const { return slice_elements_; }
 
  private:

@@ -159,8 +159,17 @@ class WorkerNode final : public Worker, public TransportHandler {
                    "tensors, in the same order, before training)",
                    name);
     }
+    // Registration waits with the lock released; a second thread registering meanwhile would
+    // take the same id and placement slot, so registrations run one at a time.
+    if (registering_) {
+      return Error(StatusCode::kFailedPrecondition,
+                   "register tensor '{}': another thread of this worker is registering a tensor "
+                   "(register from one thread, in the same order on every worker)",
+                   name);
+    }
     const auto id = static_cast<TensorId>(tensors_.size());
     DSYNC_ASSIGN_OR_RETURN(TensorLayout layout, planner_->Plan(id, init.size()));
+    registering_ = true;
     Tensor t;
     t.name = std::string(name);
     t.layout = std::move(layout);
@@ -183,7 +192,9 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     Status st = WaitLocked(lock, op, nullptr);
+    registering_ = false;
     if (!st.ok()) {
+      planner_->Unplan(tensors_.back().layout);
       tensors_.pop_back();
       return st.WithContext(fmt::format("register tensor '{}'", name));
     }
@@ -922,6 +933,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   std::condition_variable cv_;
   std::condition_variable heartbeat_cv_;  // its own: cv_ wakes on every frame
   Status broken_;
+  bool registering_ = false;  // a Register is waiting for the servers' answers
   bool handshake_done_ = false;
   std::string handshake_reply_;
   SteadyClock::time_point handshake_heard_;  // the peer's last word during the handshake
