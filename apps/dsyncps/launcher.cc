@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -57,9 +58,35 @@ struct Child {
 
 int g_signal_pipe[2] = {-1, -1};
 
-void OnSignal(int sig) {
-  const char c = static_cast<char>(sig);
-  (void)!write(g_signal_pipe[1], &c, 1);
+// A signal and who sent it, as the handler writes it to the pipe (one write of a few
+// bytes: atomic, pipe(7)).
+struct SignalNote {
+  int sig;
+  pid_t sender;
+};
+
+void OnSignal(int sig, siginfo_t* info, void*) {
+  const SignalNote note{sig, info != nullptr ? info->si_pid : 0};
+  (void)!write(g_signal_pipe[1], &note, sizeof note);
+}
+
+void CatchStopSignals() {
+  struct sigaction sa {};
+  sa.sa_sigaction = OnSignal;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
+// "pid 123 (slurmstepd)": who sent a stop signal, for the message (0: the kernel or a
+// terminal's Ctrl-C).
+std::string DescribeSender(pid_t pid) {
+  if (pid <= 0) return "the terminal or the kernel";
+  std::ifstream comm(fmt::format("/proc/{}/comm", pid));
+  std::string name;
+  std::getline(comm, name);
+  return name.empty() ? fmt::format("pid {}", pid) : fmt::format("pid {} ({})", pid, name);
 }
 
 // fork + exec of `self` with the given arguments and extra environment; the child's stdout
@@ -98,6 +125,21 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
   fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
   *out = p[0];
   return pid;
+}
+
+// Reaps `pid` once it has exited (waiting for that when `block`), and first stops what it
+// left in its process group. Until the exited child is reaped its pid cannot be reused, so
+// the group id still names its group (waitid's WNOWAIT, wait(2)); killing the group after
+// the reap could hit an unrelated group that took the id, as a parallel test's launcher did.
+bool Reap(pid_t pid, int* status, bool block) {
+  siginfo_t info{};
+  const int options = WEXITED | WNOWAIT | (block ? 0 : WNOHANG);
+  while (waitid(P_PID, static_cast<id_t>(pid), &info, options) != 0) {
+    if (errno != EINTR) return false;
+  }
+  if (info.si_pid != pid) return false;  // WNOHANG: still running
+  kill(-pid, SIGKILL);
+  return waitpid(pid, status, 0) == pid;
 }
 
 // Reads the scheduler's port from the ready pipe, bounded in time.
@@ -282,8 +324,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   env["DSYNC_PORT"] = "0";
 
   if (pipe(g_signal_pipe) != 0) return outcome;
-  signal(SIGINT, OnSignal);
-  signal(SIGTERM, OnSignal);
+  CatchStopSignals();
 
   std::vector<Child> children;
   // Signals every running child; `why` (the first one) is what the summary says of it.
@@ -302,8 +343,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     for (Child& c : children) {
       if (c.ready >= 0) close(c.ready);
       if (c.out >= 0) close(c.out);
-      // What a child started and left behind (its process group) ends with the job.
-      if (c.started && c.pid > 0) kill(-c.pid, SIGKILL);
+      // What a running child started (its process group) ends with the job. A reaped
+      // child's group was stopped when it was reaped: its id may name another group now.
+      if (c.started && c.pid > 0 && !c.exited) kill(-c.pid, SIGKILL);
       outcome.children.push_back({c.name, c.is_worker, c.started, c.status, c.result, c.stopped});
     }
     return outcome;
@@ -332,11 +374,11 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     // configuration); if it hangs, it is killed. Reaped before its output is read to the end.
     Child& sched = children[0];
     if (sched.started) {
-      if (waitpid(sched.pid, &sched.status, WNOHANG) != sched.pid) {
+      if (!Reap(sched.pid, &sched.status, false)) {
         kill(sched.pid, SIGKILL);
         sched.stopped = fmt::format("it had not reported its port in {} s",
                                     kSchedulerStartMs / 1000);
-        waitpid(sched.pid, &sched.status, 0);
+        Reap(sched.pid, &sched.status, true);
       }
       sched.exited = true;
       Relay(sched, true, hooks);
@@ -434,17 +476,19 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
       if (fds[i].revents) Relay(*owners[i], false, hooks);
     }
     if (fds.back().revents) {
-      char sig = 0;
-      (void)!read(g_signal_pipe[0], &sig, 1);
+      SignalNote note{};
+      (void)!read(g_signal_pipe[0], &note, sizeof note);
+      const int sig = note.sig;
       outcome.interrupted = sig;
-      std::fprintf(stderr, "dsyncps: signal %d; stopping the cluster\n", sig);
-      kill_all(SIGTERM, fmt::format("the launcher got signal {}", static_cast<int>(sig)));
+      std::fprintf(stderr, "dsyncps: signal %d from %s; stopping the cluster\n", sig,
+                   DescribeSender(note.sender).c_str());
+      kill_all(SIGTERM, fmt::format("the launcher got signal {}", sig));
       terminated = SteadyClock::now();
     }
     for (Child& c : children) {
       if (!c.started || c.exited) continue;
       int status = 0;
-      if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      if (Reap(c.pid, &status, false)) {
         if (c.out >= 0) Relay(c, true, hooks);
         c.exited = true;
         c.status = status;

@@ -10,7 +10,9 @@
 // - what ToEnvironment writes for a launcher's children reads back to the same job settings.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -32,7 +34,8 @@ constexpr const char* kNames[] = {
     "DMLC_PS_ROOT_PORT", "DSYNC_PORT", "DMLC_PORT", "DSYNC_INTERFACE", "DMLC_INTERFACE",
     "DMLC_NODE_HOST", "DSYNC_ADVERTISE",
     "DSYNC_TOKEN", "DSYNC_NUM_SERVERS", "DMLC_NUM_SERVER", "DSYNC_NUM_WORKERS", "DMLC_NUM_WORKER",
-    "DSYNC_SYNC", "DSYNC_OPTIMIZER", "DSYNC_LR", "DSYNC_MOMENTUM", "DSYNC_BETA1", "DSYNC_BETA2",
+    "DSYNC_SYNC", "DSYNC_OPTIMIZER", "DSYNC_LR", "DSYNC_MOMENTUM", "DSYNC_DAMPENING",
+    "DSYNC_NESTEROV", "DSYNC_BETA1", "DSYNC_BETA2", "DSYNC_START_TIMEOUT_MS",
     "DSYNC_EPS", "DSYNC_WEIGHT_DECAY", "DSYNC_SLICE_BYTES", "DSYNC_MAX_GRADIENTS",
     "DSYNC_LINK_DELAY_MS", "DSYNC_HEARTBEAT_MS", "DSYNC_HEARTBEAT_TIMEOUT_MS",
     "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
@@ -50,14 +53,24 @@ constexpr std::pair<const char*, const char*> kFallbacks[] = {
     {"DMLC_INTERFACE", "DSYNC_INTERFACE"}, {"DMLC_NODE_HOST", "DSYNC_INTERFACE"}, {"DMLC_NUM_SERVER", "DSYNC_NUM_SERVERS"},
     {"DMLC_NUM_WORKER", "DSYNC_NUM_WORKERS"}};
 
+bool SameBits(float a, float b) { return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); }
+
+// Field by field, floats bit for bit (NaN settings compare equal to themselves); never
+// memcmp the struct, whose padding after `nesterov` holds whatever the stack held.
+bool SameOptimizer(const OptimizerConfig& x, const OptimizerConfig& y) {
+  return x.kind == y.kind && x.nesterov == y.nesterov && SameBits(x.lr, y.lr) &&
+         SameBits(x.momentum, y.momentum) && SameBits(x.dampening, y.dampening) &&
+         SameBits(x.beta1, y.beta1) && SameBits(x.beta2, y.beta2) && SameBits(x.eps, y.eps) &&
+         SameBits(x.weight_decay, y.weight_decay);
+}
+
 bool Same(const Config& a, const Config& b) {
   return a.role == b.role && a.scheduler_host == b.scheduler_host &&
          a.scheduler_port == b.scheduler_port && a.bind_host == b.bind_host &&
          a.advertise_host == b.advertise_host && a.port == b.port &&
          a.token == b.token && a.num_servers == b.num_servers && a.num_workers == b.num_workers &&
-         a.sync == b.sync && a.optimizer.kind == b.optimizer.kind &&
-         // bit for bit: NaN settings compare equal to themselves
-         std::memcmp(&a.optimizer, &b.optimizer, sizeof a.optimizer) == 0 &&
+         a.sync == b.sync && SameOptimizer(a.optimizer, b.optimizer) &&
+         a.start_timeout_ms == b.start_timeout_ms &&
          a.slice_bytes == b.slice_bytes && a.max_gradients == b.max_gradients &&
          a.observer == b.observer && a.link_delay_us == b.link_delay_us &&
          a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
@@ -82,6 +95,7 @@ bool SameJob(const Config& a, const Config& b) {
          a.insecure == b.insecure && a.num_servers == b.num_servers &&
          a.num_workers == b.num_workers && a.sync == b.sync && x.kind == y.kind &&
          SameFloat(x.lr, y.lr) && SameFloat(x.momentum, y.momentum) &&
+         SameFloat(x.dampening, y.dampening) && x.nesterov == y.nesterov &&
          SameFloat(x.beta1, y.beta1) && SameFloat(x.beta2, y.beta2) && SameFloat(x.eps, y.eps) &&
          SameFloat(x.weight_decay, y.weight_decay) && a.slice_bytes == b.slice_bytes &&
          a.max_gradients == b.max_gradients &&
@@ -147,7 +161,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (c->Validate().ok()) {
     const OptimizerConfig& o = c->optimizer;
-    for (float x : {o.lr, o.momentum, o.beta1, o.beta2, o.eps, o.weight_decay}) {
+    for (float x : {o.lr, o.momentum, o.dampening, o.beta1, o.beta2, o.eps, o.weight_decay}) {
       FUZZ_CHECK(std::isfinite(x));
     }
   }
