@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_util.h"
-#include "ps/backends.h"
+#include "runtime/backends.h"
 #include "ps/transport.h"
 
 namespace dsync::bench {
@@ -68,7 +68,7 @@ class Sink : public ps::TransportHandler {
 Result<std::unique_ptr<ps::Transport>> Make(const Options& o) {
   Config c;
   DSYNC_ASSIGN_OR_RETURN(c.transport, ParseTransport(o.transport));
-  return ps::MakeTransport(c);
+  return runtime::MakeTransport(c);
 }
 
 struct Pair {

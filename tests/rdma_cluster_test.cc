@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "cluster_harness.h"
-#include "ps/backends.h"
+#include "runtime/backends.h"
 #include "rdma/rdma_device.h"
 #include "rdma/rdma_transport.h"
 
@@ -147,10 +147,10 @@ TEST(RdmaDevice, TheInterfacePicksTheDeviceOnThatNic) {
   Config cfg = TestConfig("bsp", 1, 1);
   cfg.transport = TransportKind::kRdma;
   cfg.bind_host = dev->netdev;
-  auto t = ps::MakeTransport(cfg);
+  auto t = runtime::MakeTransport(cfg);
   EXPECT_TRUE(t.ok()) << t.status().message();
   cfg.bind_host = "192.0.2.77";
-  auto refused = ps::MakeTransport(cfg);
+  auto refused = runtime::MakeTransport(cfg);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("192.0.2.77"), std::string::npos)
       << refused.status().message();

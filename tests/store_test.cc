@@ -22,7 +22,7 @@
 
 #include "cuda/cuda_store.h"
 #endif
-#include "ps/backends.h"
+#include "runtime/backends.h"
 #include "ps/buffer_pool.h"
 #include "ps/param_store.h"
 
@@ -496,9 +496,9 @@ INSTANTIATE_TEST_SUITE_P(Stores, StoreTest, ::testing::ValuesIn(Stores()),
 TEST(StoreSelection, CudaWithoutAGpuIsAClearErrorAndAutoFallsBack) {
   Config c;
   c.store = StoreKind::kCuda;
-  auto cuda = MakeParamStore(c);
+  auto cuda = runtime::MakeParamStore(c);
   c.store = StoreKind::kAuto;
-  auto any = MakeParamStore(c);
+  auto any = runtime::MakeParamStore(c);
   ASSERT_TRUE(any.ok()) << any.status().ToString();
 #if DSYNC_HAVE_CUDA
   if (cuda::DeviceAvailable()) {

@@ -97,13 +97,26 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) return -1;
   const pid_t parent = getpid();
+  // The child must not run the launcher's handler for a stop signal: it would write to the
+  // launcher's signal pipe, and the launcher would stop the job as if it had been signalled
+  // (a worker told to stop between fork and exec did that). So the stop signals stay blocked
+  // across fork until the child has put back the default action.
+  sigset_t stop, old;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, &old);
   const pid_t pid = fork();
   if (pid < 0) {
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
     close(p[0]);
     close(p[1]);
     return -1;
   }
   if (pid == 0) {
+    signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);  // one sent meanwhile now ends the child
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
     if (getppid() != parent) _exit(1);
     // A process group of its own: whatever it starts (a user's data loaders) is stopped with
@@ -115,10 +128,9 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
       if (ready_fd != 3) dup2(ready_fd, 3);  // dup2 clears close-on-exec on the copy
       fcntl(3, F_SETFD, 0);
     }
-    signal(SIGINT, SIG_DFL);
-    signal(SIGTERM, SIG_DFL);
     image.ExecOrExit();
   }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
   setpgid(pid, pid);  // also here: whichever runs first, the group exists before any kill
   close(p[1]);
   // Never blocking: a process the child started may hold the write end after the child ended.
@@ -323,7 +335,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   std::map<std::string, std::string> env = common.ToEnvironment();
   env["DSYNC_PORT"] = "0";
 
-  if (pipe(g_signal_pipe) != 0) return outcome;
+  // Close-on-exec: the programs the launcher runs must not hold (or write to) its signal pipe.
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return outcome;
   CatchStopSignals();
 
   std::vector<Child> children;

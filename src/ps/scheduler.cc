@@ -26,7 +26,6 @@
 
 #include "ps/audit_log.h"
 #include "ps/auto_policy.h"
-#include "ps/backends.h"
 #include "ps/net_address.h"
 #include "ps/rendezvous.h"
 #include "ps/commit_proof.h"
@@ -850,12 +849,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
 }  // namespace
 }  // namespace ps
-
-Result<std::unique_ptr<Scheduler>> Scheduler::Start(const Config& config) {
-  DSYNC_RETURN_IF_ERROR(config.Validate());
-  DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
-  return ps::StartScheduler(config, std::move(transport));
-}
 
 namespace ps {
 

@@ -27,13 +27,11 @@
 #include <thread>
 #include <unordered_map>
 
-#include "ps/backends.h"
 #include "ps/buffer_pool.h"
 #include "ps/client_registry.h"
 #include "ps/handshake.h"
 #include "ps/net_address.h"
 #include "ps/optimizer.h"
-#include "ps/rendezvous.h"
 #include "ps/round_rule.h"
 #include "ps/server_node.h"
 #include "ps/staging_ledger.h"
@@ -901,14 +899,6 @@ class ServerNode final : public Server, public TransportHandler {
 
 }  // namespace
 }  // namespace ps
-
-Result<std::unique_ptr<Server>> Server::Start(const Config& given) {
-  DSYNC_RETURN_IF_ERROR(given.Validate());
-  DSYNC_ASSIGN_OR_RETURN(const Config config, ps::FindScheduler(given));
-  DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
-  DSYNC_ASSIGN_OR_RETURN(auto store, ps::MakeParamStore(config));
-  return ps::StartServer(config, std::move(transport), std::move(store));
-}
 
 namespace ps {
 

@@ -3,7 +3,7 @@
 // (a pull reply is read straight into the caller's tensor) without a lookup structure that
 // allocates. One mutex guards the state; the transport never blocks in Send, so frames are
 // sent under it.
-#include "dsync/worker.h"
+#include "ps/worker_node.h"
 
 #include <spdlog/spdlog.h>
 
@@ -21,9 +21,6 @@
 #include <utility>
 
 #include "ps/launcher_pipe.h"
-#include "ps/net_address.h"
-#include "ps/rendezvous.h"
-#include "ps/backends.h"
 #include "ps/handshake.h"
 #include "ps/slicing.h"
 #include "ps/trace.h"
@@ -967,22 +964,15 @@ class WorkerNode final : public Worker, public TransportHandler {
 };
 
 }  // namespace
-}  // namespace ps
 
-Result<std::unique_ptr<Worker>> Worker::Start(const Config& given) {
-  DSYNC_RETURN_IF_ERROR(given.Validate());
-  // A worker listens nowhere, but a NIC name that does not exist on this host is a slip in
-  // the job's script all the same (the job's servers get the same variable): said, not
-  // ignored.
-  if (auto nic = ps::ResolveListenHost(given.bind_host); !nic.ok()) {
-    return nic.status().WithContext("DSYNC_INTERFACE/--interface of this worker");
-  }
-  DSYNC_ASSIGN_OR_RETURN(const Config config, ps::FindScheduler(given));
-  DSYNC_ASSIGN_OR_RETURN(auto transport, ps::MakeTransport(config));
-  auto node = std::make_unique<ps::WorkerNode>(config, std::move(transport));
+Result<std::unique_ptr<Worker>> StartWorker(const Config& config,
+                                            std::unique_ptr<Transport> transport) {
+  auto node = std::make_unique<WorkerNode>(config, std::move(transport));
   DSYNC_RETURN_IF_ERROR(node->Init());
-  if (!config.observer) ps::TellLauncher(std::to_string(node->job().worker_id));
+  if (!config.observer) TellLauncher(std::to_string(node->job().worker_id));
   return std::unique_ptr<Worker>(std::move(node));
 }
+
+}  // namespace ps
 
 }  // namespace dsync

@@ -1,6 +1,6 @@
 // Backend selection: which Transport and ParamStore a node runs with, from its
 // configuration and from what this build and machine have.
-#include "ps/backends.h"
+#include "runtime/backends.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -15,7 +15,11 @@
 #include "cuda/cuda_store.h"
 #endif
 
-namespace dsync::ps {
+namespace dsync::runtime {
+
+using ps::AdmissionLimits;
+using ps::ParamStore;
+using ps::Transport;
 
 AdmissionLimits AdmissionLimitsOf(const Config& config) {
   AdmissionLimits a;
@@ -90,4 +94,4 @@ Result<std::unique_ptr<ParamStore>> MakeParamStore(const Config& config) {
   return cpu::MakeCpuStore();
 }
 
-}  // namespace dsync::ps
+}  // namespace dsync::runtime
