@@ -142,7 +142,7 @@ pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
 // Reaps `pid` once it has exited (waiting for that when `block`), and first stops what it
 // left in its process group. Until the exited child is reaped its pid cannot be reused, so
 // the group id still names its group (waitid's WNOWAIT, wait(2)); killing the group after
-// the reap could hit an unrelated group that took the id, as a parallel test's launcher did.
+// the reap could hit an unrelated group that has taken the id since.
 bool Reap(pid_t pid, int* status, bool block) {
   siginfo_t info{};
   const int options = WEXITED | WNOWAIT | (block ? 0 : WNOHANG);
