@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -118,6 +119,27 @@ TEST_F(Launch, TheJobsExitCodeIsTheWorkers) {
   const std::string stray = Run({"worker", "--token", "launch", "--", "x"}, 2);
   EXPECT_NE(stray.find("arguments after -- are a program for launch or join"), std::string::npos)
       << stray;
+}
+
+// The worker program inherits its output (0-2) and the ready pipe (3), nothing of the
+// launcher's own: a launcher's signal pipe held by a worker let a worker that was signalled
+// before it ran its program stop the launcher as if the launcher had been signalled.
+TEST_F(Launch, TheUsersProgramInheritsNoneOfTheLaunchersDescriptors) {
+  // ls, a child of the shell, lists the shell's descriptors (those the launcher gave it), one
+  // per line of the worker's output. (Not redirected: dash keeps a copy of a descriptor it
+  // redirects.)
+  const std::string out = Run(
+      {"launch", "--workers", "1", "--", "sh", "-c", "ls /proc/$$/fd; exec " DSYNC_EXAMPLE_WORKER " 3"},
+      0);
+  std::vector<int> fds;
+  const std::regex line(R"(\[worker 0\] (\d+)\n)");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator();
+       ++it) {
+    fds.push_back(std::stoi((*it)[1]));
+  }
+  std::sort(fds.begin(), fds.end());
+  EXPECT_EQ(fds, (std::vector<int>{0, 1, 2, 3})) << out;
+  EXPECT_EQ(Losses(out).size(), 1u) << out;
 }
 
 TEST_F(Launch, JoinAddsTheUsersProgramToARunningJob) {

@@ -40,6 +40,8 @@ class Proc {
         dup2(fd, STDOUT_FILENO);  // the copies do not close on exec
         dup2(fd, STDERR_FILENO);
       }
+      // Nothing else of the test runner's: what a program under test holds is its own.
+      close_range(3, ~0U, 0);
       image.ExecOrExit();
     }
     if (fd >= 0) close(fd);
