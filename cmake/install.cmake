@@ -23,6 +23,7 @@ install(FILES ${PROJECT_BINARY_DIR}/dsyncpsConfig.cmake
 
 # pkg-config: relocatable (the prefix is found from the file's own place).
 file(RELATIVE_PATH DSYNC_PC_UP /x/${CMAKE_INSTALL_LIBDIR}/pkgconfig /x)
+string(REGEX REPLACE "/$" "" DSYNC_PC_UP "${DSYNC_PC_UP}")
 set(DSYNC_PC_REQUIRES "")
 set(DSYNC_PC_LIBS "")
 if(DSYNC_HAVE_RDMA)
@@ -32,10 +33,6 @@ if(DSYNC_HAVE_NVCC)
   string(APPEND DSYNC_PC_LIBS " -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -ldl -lrt")
 endif()
 configure_file(${CMAKE_CURRENT_LIST_DIR}/dsyncps.pc.in ${PROJECT_BINARY_DIR}/dsyncps.pc @ONLY)
-file(READ ${PROJECT_BINARY_DIR}/dsyncps.pc _pc)
-string(REGEX REPLACE "/$" "" DSYNC_PC_UP "${DSYNC_PC_UP}")
-string(REPLACE "\${pcfiledir}/../.." "\${pcfiledir}/${DSYNC_PC_UP}" _pc "${_pc}")
-file(WRITE ${PROJECT_BINARY_DIR}/dsyncps.pc "${_pc}")
 install(FILES ${PROJECT_BINARY_DIR}/dsyncps.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 
 install(TARGETS dsyncps RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
@@ -56,8 +53,8 @@ if(TARGET _core)
   list(GET _py 0 _py_version)
   list(GET _py 1 _py_kind)
   set(DSYNC_PYTHON_DEFAULT_DIR "lib/python${_py_version}/${_py_kind}-packages")
-  set(_py_files ${PROJECT_SOURCE_DIR}/python/dsyncps/__init__.py
-                ${PROJECT_SOURCE_DIR}/python/dsyncps/torch.py)
+  list(TRANSFORM DSYNC_PYTHON_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/python/dsyncps/
+       OUTPUT_VARIABLE _py_files)
   install(CODE "
     set(_dir \"${DSYNC_PYTHON_INSTALL_DIR}\")
     if(NOT _dir)
