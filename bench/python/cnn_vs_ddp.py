@@ -46,8 +46,12 @@ def run(mode, scenario, rep):
     if mode == "ddp":
         cmd = [sys.executable, example, "--ddp", "--nproc", str(a.workers)] + args
     else:
+        # The job's budget is the gradients of the epochs (DDP's total): every worker trains
+        # until it is spent, so fast workers take on what a straggler leaves.
+        budget = int(a.epochs * 60000 / (64 * a.workers)) * a.workers
         cmd = [dsyncps, "launch", "--workers", str(a.workers), "--servers", str(a.servers),
-               "--sync", mode, "--timeout", "1500", "--", sys.executable, example] + args
+               "--sync", mode, "--max-gradients", str(budget), "--timeout", "1500", "--",
+               sys.executable, example] + args
     out = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, timeout=1600).stdout
     path = os.path.join(folder, "summary.json")

@@ -1,15 +1,35 @@
 // The C++ side of bench/python/overhead.py: one worker that pushes and pulls the same tensors
 // every iteration (PushPull per tensor, then Wait), timing the iterations after a warm-up.
-// Prints one JSON line: {"mode": "cpp", "ms_per_step": median, "steps": N}.
+// Prints one JSON line: {"mode": "cpp", "ms_per_step": median, "cpu_ms_per_step": median of
+// the process's CPU time (all its threads), "steps": N}.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 #include <vector>
 
 #include "dsync/config.h"
 #include "dsync/worker.h"
+
+namespace {
+
+double CpuMs() {  // this process's CPU time, every thread: the transfers' threads count too
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// The median of the values after a warm-up (the first fifth, at most 10).
+double MedianAfterWarmup(const std::vector<double>& v) {
+  const size_t warm = std::min<size_t>(v.size() / 5, 10);
+  std::vector<double> kept(v.begin() + static_cast<long>(warm), v.end());
+  std::nth_element(kept.begin(), kept.begin() + static_cast<long>(kept.size() / 2), kept.end());
+  return kept[kept.size() / 2];
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 3) {
@@ -39,21 +59,20 @@ int main(int argc, char** argv) {
     (void)w->RegisterBuffer(model[t].data(), sizes[t] * sizeof(float));
     (void)w->RegisterBuffer(grad[t].data(), sizes[t] * sizeof(float));
   }
-  std::vector<double> ms;
+  std::vector<double> ms, cpu;
   std::vector<dsync::Handle> handles(sizes.size());
   for (int k = 0; k < steps; ++k) {
     const auto t0 = std::chrono::steady_clock::now();
+    const double c0 = CpuMs();
     for (size_t t = 0; t < sizes.size(); ++t) handles[t] = w->PushPull(ids[t], grad[t].data(), model[t].data());
     for (dsync::Handle h : handles) {
       if (auto st = w->Wait(h); !st.ok()) return std::fprintf(stderr, "%s\n", st.message().c_str()), 1;
     }
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    cpu.push_back(CpuMs() - c0);
   }
-  const size_t warm = std::min<size_t>(ms.size() / 5, 10);
-  std::vector<double> kept(ms.begin() + static_cast<long>(warm), ms.end());
-  std::nth_element(kept.begin(), kept.begin() + static_cast<long>(kept.size() / 2), kept.end());
-  std::printf("{\"mode\": \"cpp\", \"ms_per_step\": %.4f, \"steps\": %zu}\n", kept[kept.size() / 2],
-              kept.size());
+  std::printf("{\"mode\": \"cpp\", \"ms_per_step\": %.4f, \"cpu_ms_per_step\": %.4f, \"steps\": %zu}\n",
+              MedianAfterWarmup(ms), MedianAfterWarmup(cpu), ms.size() - std::min<size_t>(ms.size() / 5, 10));
   for (size_t t = 0; t < sizes.size(); ++t) {
     w->UnregisterBuffer(model[t].data(), sizes[t] * sizeof(float));
     w->UnregisterBuffer(grad[t].data(), sizes[t] * sizeof(float));

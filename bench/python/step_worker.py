@@ -1,7 +1,8 @@
 """The Python sides of bench/python/overhead.py: the same iterations as step_worker.cc through
 the core (--mode core: push_pull per tensor, then wait) or through dsyncps.torch (--mode
 torch: backward hooks and step(); the backward pass alone is timed too, so the layer's own
-cost can be told from autograd's). Prints one JSON line like step_worker.cc."""
+cost can be told from autograd's). Prints one JSON line like step_worker.cc, wall and CPU time
+(the process's, every thread) per step."""
 import argparse
 import json
 import statistics
@@ -29,15 +30,17 @@ if a.mode == "core":
     model = [np.full(n, 0.5, np.float32) for n in sizes]
     grad = [np.full(n, 1e-3, np.float32) for n in sizes]
     ids = [w.register("t%d" % i, m) for i, m in enumerate(model)]
-    ms = []
+    ms, cpu = [], []
     for k in range(a.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         reqs = [w.push_pull(t, g, m) for t, g, m in zip(ids, grad, model)]
         for r in reqs:
             r.wait()
         ms.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
     med, n = median_after_warmup(ms)
-    print(json.dumps({"mode": "core", "ms_per_step": med, "steps": n}), flush=True)
+    print(json.dumps({"mode": "core", "ms_per_step": med, "steps": n,
+                      "cpu_ms_per_step": median_after_warmup(cpu)[0]}), flush=True)
 else:
     import torch
 
@@ -50,24 +53,28 @@ else:
         sum((p_ * c).sum() for p_, c in zip(params, coeff)).backward()
 
     # zero_grad and autograd alone, the same passes: what any training loop pays without dsyncps
-    plain = []
+    plain, plain_cpu = [], []
     for k in range(a.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for p_ in params:  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
             if p_.grad is not None:
                 p_.grad.zero_()
         backward()
         plain.append((time.perf_counter() - t0) * 1e3)
+        plain_cpu.append((time.process_time() - c0) * 1e3)
     dps.init()
     opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd", lr=0.01)
-    ms = []
+    ms, cpu = [], []
     for k in range(a.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         backward()
         opt.step()
         ms.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
     med, n = median_after_warmup(ms)
     print(json.dumps({"mode": "torch", "ms_per_step": med, "steps": n,
-                      "backward_ms": median_after_warmup(plain)[0]}), flush=True)
+                      "cpu_ms_per_step": median_after_warmup(cpu)[0],
+                      "backward_ms": median_after_warmup(plain)[0],
+                      "backward_cpu_ms": median_after_warmup(plain_cpu)[0]}), flush=True)
 dsyncps.shutdown()

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """A plain PyTorch CNN on Fashion-MNIST, trained data-parallel by dsyncps or by DDP.
 
-    dsyncps launch --workers 4 --servers 2 --sync dsync:auto -- python3 fmnist_cnn.py
+    dsyncps launch --workers 4 --servers 2 --sync dsync:auto --max-gradients 2812 -- python3 fmnist_cnn.py
     torchrun --nproc_per_node 4 fmnist_cnn.py --ddp
     python3 fmnist_cnn.py --ddp --nproc 4      # the same, where torchrun does not run
 
@@ -9,7 +9,12 @@
 in torch.distributed.elastic's Std.from_str; --nproc starts the DDP processes the way
 torchrun would, with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.)
 
-The lines marked "dsyncps" are all it takes. The optimizer runs on the servers (momentum
+The lines marked "dsyncps" are all it takes. Launched with `--max-gradients G` (the job's
+budget), every worker trains until the job has committed G gradients, so a fast worker does
+more than its share while a straggler does less and nobody waits for it: that is where
+delayed synchronization saves time (2812 is 3 epochs of 60000 images in batches of 64).
+Without a budget each worker does its share, --epochs x 60000 / (--batch x workers)
+iterations, and the job ends with the slowest. The optimizer runs on the servers (momentum
 SGD here); with --ddp it runs in every process, after DDP's all-reduce (gloo).
 
 Rank 0 keeps a copy of the model every --eval-interval seconds and evaluates the copies on
@@ -114,15 +119,21 @@ def main():
         opt = dps.ServerOptimizer(model, "momentum", lr=args.lr, momentum=args.momentum)  # dsyncps
         rank = int(os.environ.get("DSYNC_WORKER_RANK", "0"))
         workers = int(os.environ.get("DSYNC_NUM_WORKERS", "1"))
+        budget = int(os.environ.get("DSYNC_MAX_GRADIENTS", "0"))  # the launch's --max-gradients
     x, y = fashion_mnist(args, train=True)
-    shard = torch.arange(rank, len(x), workers)
+    # Each worker's share of the epochs. With a job budget every worker trains until the job
+    # has its gradients (should_stop): a fast worker does more than its share, a slow one less.
     steps = int(args.epochs * len(x) / (args.batch * workers))
+    if not args.ddp and budget:
+        steps = budget
+    # Batches drawn from the whole training set (with replacement, a stream per rank), so a
+    # worker that does more than its share does not over-sample part of the data.
     gen = torch.Generator().manual_seed(args.seed * 1000003 + rank)
     snapshots, losses = [], []
     next_copy = 0.0
     step = 0
     for step in range(steps):
-        idx = shard[torch.randint(len(shard), (args.batch,), generator=gen)]
+        idx = torch.randint(len(x), (args.batch,), generator=gen)
         opt.zero_grad()
         t0 = time.monotonic()
         loss = F.cross_entropy(model(x[idx]), y[idx])
@@ -158,6 +169,7 @@ def main():
 
 
 def report(args, snapshots, seconds, workers, steps):
+    torch.set_num_threads(os.cpu_count() or 1)  # training is over: evaluate on every core
     tx, ty = fashion_mnist(args, train=False)
     net = Net()
     curve = []

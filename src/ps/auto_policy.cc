@@ -68,17 +68,25 @@ bool AutoPolicy::Decide() {
   return changed;
 }
 
-std::string AutoPolicy::Describe() const {
-  std::string out = decision_.quorum == SyncMode::kAll
+std::string AutoPolicy::Describe(const AutoDecision& applied) const {
+  std::string out = applied.quorum == SyncMode::kAll
                         ? fmt::format("quorum all {}", workers_.size())
-                        : fmt::format("quorum {} of {}", decision_.quorum, workers_.size());
-  for (const auto& [id, allow] : decision_.allowance) {
+                        : fmt::format("quorum {} of {}", applied.quorum, workers_.size());
+  for (const auto& [id, allow] : applied.allowance) {
     if (allow == 0) continue;
-    const Track& t = workers_.at(id);
+    auto it = workers_.find(id);
     out += fmt::format("; worker {} allowed {} round(s) ({:.1f}x)", id, allow,
-                       reference_ > 0 ? t.estimate / reference_ : 0.0);
+                       reference_ > 0 && it != workers_.end() ? it->second.estimate / reference_
+                                                              : 0.0);
   }
-  if (decision_.quorum == SyncMode::kAll) out += " (every worker waited for, as bsp)";
+  if (applied.quorum == SyncMode::kAll) {
+    out += " (every worker waited for, as bsp)";
+    for (const auto& [id, t] : workers_) {
+      if (t.straggler && reference_ > 0) {
+        out += fmt::format("; worker {} is {:.1f}x slower", id, t.estimate / reference_);
+      }
+    }
+  }
   return out;
 }
 

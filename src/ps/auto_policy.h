@@ -61,8 +61,10 @@ class AutoPolicy {
   // Re-decides from what was observed; true when the decision changed.
   bool Decide();
   const AutoDecision& decision() const { return decision_; }
-  // "quorum 3 of 4; worker 1003 allowed 4 (3.1x)" for logs.
-  std::string Describe() const;
+  // "quorum 3 of 4; worker 1003 allowed 4 (3.1x)" for logs: of the decision, or of
+  // `applied` (what the scheduler applies instead, DelayPayoff's bsp) with the ratios measured.
+  std::string Describe() const { return Describe(decision_); }
+  std::string Describe(const AutoDecision& applied) const;
 
   // The reference iteration time (0 until some worker has enough samples).
   double reference() const { return reference_; }

@@ -26,6 +26,7 @@
 
 #include "ps/audit_log.h"
 #include "ps/auto_policy.h"
+#include "ps/delay_payoff.h"
 #include "ps/net_address.h"
 #include "ps/rendezvous.h"
 #include "ps/commit_proof.h"
@@ -49,6 +50,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       AutoPolicyOptions o;
       o.max_bound = config.sync.bound;
       policy_.emplace(o);
+      payoff_.emplace(DelayPayoffOptions{});
     }
   }
 
@@ -376,7 +378,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       ack.request = about.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
       workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0, transport_->PeerAddress(peer)};
-      if (policy_) policy_->Join(id);
+      if (policy_) {
+        policy_->Join(id);
+        payoff_->MembershipChanged();
+      }
       ++counters_.workers_joined;
       spdlog::info("scheduler: worker {} joined from {} (counts from round {}, live {})", id,
                    transport_->PeerAddress(peer), admission->join_round, rule_.live_workers());
@@ -569,6 +574,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     audit_.Member(failed ? "failed" : "left", "worker", id, address, failed ? why : "");
     if (policy_) {
       policy_->Leave(id);
+      payoff_->MembershipChanged();
       Redecide();
     }
     if (failed) {
@@ -592,18 +598,26 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Progress();
   }
 
-  // dsync:auto: hands the policy's new decision, if any, to the rule.
+  // dsync:auto: the policy proposes from the workers' times, the payoff check decides
+  // whether delaying is tried, kept or given up; a change goes to the rule.
   void Redecide() {
-    if (!policy_ || !policy_->Decide()) return;
-    const AutoDecision& d = policy_->decision();
-    for (const auto& [id, allowance] : d.allowance) {
+    if (!policy_) return;
+    policy_->Decide();
+    const auto phase = payoff_->phase();
+    AutoDecision d = payoff_->Gate(policy_->decision());
+    if (d == applied_ && phase == payoff_->phase()) return;
+    const bool changed = d != applied_;
+    applied_ = std::move(d);
+    for (const auto& [id, allowance] : applied_.allowance) {
       if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
     }
-    (void)rule_.SetQuorum(d.quorum);
+    (void)rule_.SetQuorum(applied_.quorum);
+    const std::string& why = payoff_->reason();
+    spdlog::info("scheduler: dsync:auto from round {}: {}{}{}", rule_.open_round(),
+                 policy_->Describe(applied_), why.empty() ? "" : ": ", why);
+    if (!changed) return;
     ++counters_.policy_changes;
-    spdlog::info("scheduler: dsync:auto from round {}: {}", rule_.open_round(),
-                 policy_->Describe());
-    audit_.Policy(rule_.open_round(), d.quorum, d.allowance);
+    audit_.Policy(rule_.open_round(), applied_.quorum, applied_.allowance);
   }
 
   // The tensors member m's commit covered (recorded at the commit, oldest first).
@@ -635,6 +649,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
       }
       audit_.Round(rec);
+      if (payoff_) {
+        payoff_->RoundClosed(
+            std::chrono::duration<double>(SteadyClock::now().time_since_epoch()).count(), rec);
+      }
       rounds_announced_ = rec.round + 1;
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
@@ -802,7 +820,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   RoundRule rule_;
-  std::optional<AutoPolicy> policy_;  // dsync:auto
+  std::optional<AutoPolicy> policy_;  // dsync:auto: who is slow
+  std::optional<DelayPayoff> payoff_;  // dsync:auto: whether delaying them pays
+  AutoDecision applied_;               // dsync:auto: what the rule follows now
   std::unordered_map<PeerId, PeerInfo> peers_;
   std::unordered_set<PeerId> doomed_;  // refused, being dropped
   std::vector<ServerEntry> servers_;  // by rank

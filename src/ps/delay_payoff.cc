@@ -1,0 +1,140 @@
+#include "ps/delay_payoff.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace dsync::ps {
+namespace {
+
+bool Delays(const AutoDecision& d) {
+  if (d.quorum != SyncMode::kAll) return true;
+  return std::any_of(d.allowance.begin(), d.allowance.end(),
+                     [](const auto& entry) { return entry.second > 0; });
+}
+
+AutoDecision AsBsp(const AutoDecision& d) {
+  AutoDecision bsp;
+  for (const auto& [w, allowance] : d.allowance) bsp.allowance[w] = 0;
+  return bsp;
+}
+
+}  // namespace
+
+DelayPayoff::DelayPayoff(DelayPayoffOptions options)
+    : opt_(options), backoff_(options.backoff_rounds) {
+  opt_.measure_rounds = std::max<uint32_t>(opt_.measure_rounds, 2);
+  opt_.min_baseline_rounds = std::clamp<uint32_t>(opt_.min_baseline_rounds, 2, opt_.measure_rounds);
+}
+
+double DelayPayoff::Pace(const std::deque<Sample>& samples) {
+  if (samples.size() < 2) return 0;
+  const double seconds = samples.back().at - samples.front().at;
+  if (!(seconds > 0)) return 0;
+  double progress = 0;
+  for (size_t i = 1; i < samples.size(); ++i) progress += samples[i].progress;
+  return progress / seconds;
+}
+
+void DelayPayoff::RoundClosed(double now, const RoundRecord& round) {
+  ++rounds_closed_;
+  if (settle_ > 0) {
+    --settle_;
+    return;
+  }
+  double progress = 0;
+  for (const RoundMember& m : round.members) {
+    const uint64_t staleness = round.round > m.base ? round.round - m.base : 0;
+    progress += 1.0 / (1.0 + static_cast<double>(staleness));
+  }
+  // Delaying, the window keeps sliding after the trial: a delay kept is still checked.
+  std::deque<Sample>* into = delaying_ ? &trial_ : &bsp_;
+  into->push_back({now, progress});
+  if (into->size() > opt_.measure_rounds + 1) into->pop_front();
+}
+
+void DelayPayoff::MembershipChanged() {
+  bsp_.clear();
+  trial_.clear();
+  settle_ = opt_.settle_rounds;
+  // The bsp pace a trial or a kept delay is compared with was measured with other workers:
+  // measure bsp again, then try again.
+  phase_ = Phase::kBsp;
+}
+
+void DelayPayoff::GiveUp() {
+  phase_ = Phase::kBsp;
+  retry_after_ = rounds_closed_ + backoff_;
+  backoff_ = std::min(backoff_ * 2, std::max(opt_.max_backoff_rounds, opt_.backoff_rounds));
+  trial_.clear();
+}
+
+AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
+  AutoDecision out = proposal;
+  if (!Delays(proposal)) {
+    if (phase_ == Phase::kTrial) {
+      // The slowness did not last the trial: noise, not a straggler. Counted as a failed
+      // trial, or flapping proposals would each start one and no backoff would ever apply.
+      const size_t measured = trial_.empty() ? 0 : trial_.size() - 1;
+      GiveUp();
+      reason_ = fmt::format("the slowdown did not last the trial ({} of {} rounds); the next "
+                            "trial after round {}",
+                            measured, opt_.measure_rounds, retry_after_);
+    } else {
+      reason_.clear();
+    }
+    phase_ = Phase::kBsp;
+  } else if (phase_ == Phase::kBsp) {
+    const double pace = Pace(bsp_);
+    if (rounds_closed_ < retry_after_) {
+      reason_ = fmt::format("delaying did not pay in the last trial; the next one after round {}",
+                            retry_after_);
+      out = AsBsp(proposal);
+    } else if (bsp_.size() < opt_.min_baseline_rounds + 1u || !(pace > 0)) {
+      reason_ = fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds)",
+                            bsp_.size() > 0 ? bsp_.size() - 1 : 0, opt_.min_baseline_rounds);
+      out = AsBsp(proposal);
+    } else {
+      bsp_pace_ = pace;
+      bsp_.clear();
+      trial_.clear();
+      phase_ = Phase::kTrial;
+      reason_ = fmt::format("trying it for {} rounds against bsp's {:.4g} gradients/s",
+                            opt_.measure_rounds, bsp_pace_);
+    }
+  } else if (phase_ == Phase::kDelaying) {
+    const double pace = trial_.size() >= opt_.measure_rounds + 1u ? Pace(trial_) : bsp_pace_;
+    if (pace < bsp_pace_) {
+      GiveUp();  // the backoff starts afresh: it was reset when the delay was kept
+      reason_ = fmt::format("back to bsp: delaying fell to {:.4g} gradients/s (stale ones "
+                            "discounted) over the last {} rounds, below bsp's {:.4g}; bsp is "
+                            "measured again and the next trial is after round {}",
+                            pace, opt_.measure_rounds, bsp_pace_, retry_after_);
+      out = AsBsp(proposal);
+    }
+  } else if (phase_ == Phase::kTrial && trial_.size() >= opt_.measure_rounds + 1u) {
+    const double pace = Pace(trial_);
+    const double gain = pace / bsp_pace_;
+    if (gain >= opt_.min_gain) {
+      phase_ = Phase::kDelaying;
+      backoff_ = opt_.backoff_rounds;
+      reason_ = fmt::format("it pays: {:.4g} gradients/s (stale ones discounted), {:.2f}x "
+                            "bsp's {:.4g}",
+                            pace, gain, bsp_pace_);
+      trial_.pop_front();  // the window slides on: the delay kept stays checked
+    } else {
+      GiveUp();
+      reason_ = fmt::format("back to bsp: delaying gave {:.4g} gradients/s (stale ones "
+                            "discounted), {:.2f}x bsp's {:.4g}, under the {:.2f}x it must "
+                            "gain; the next trial after round {}",
+                            pace, gain, bsp_pace_, opt_.min_gain, retry_after_);
+      out = AsBsp(proposal);
+    }
+  }
+  const bool delaying = Delays(out);
+  if (delaying != delaying_) settle_ = opt_.settle_rounds;
+  delaying_ = delaying;
+  return out;
+}
+
+}  // namespace dsync::ps
