@@ -52,9 +52,10 @@ class Job {
   double now_ = 100.0;
 };
 
-// 20 rounds of bsp, one per `seconds` with 4 fresh gradients, then a proposal to delay
-// worker 1003: the trial starts.
+// Worker 1003 is proposed for delay; 20 rounds of bsp, one per `seconds` with 4 fresh
+// gradients, measure bsp's pace; then the trial starts.
 void StartTrial(DelayPayoff& payoff, Job& job, double seconds) {
+  ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
   job.Rounds(20, seconds, 4);
   ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
   ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
@@ -80,7 +81,12 @@ TEST(DelayPayoff, BspsPaceIsMeasuredBeforeTheFirstTrial) {
   EXPECT_FALSE(Delays(d));
   EXPECT_EQ(d.allowance.size(), 4u);
   EXPECT_NE(payoff.reason().find("measuring bsp's pace"), std::string::npos) << payoff.reason();
+  // The rounds before the proposal are not the baseline: the first one after it only marks
+  // where the measurement starts, then min_baseline_rounds rounds are measured.
   job.Rounds(o.min_baseline_rounds, 0.03, 4);
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("(9 of 10 rounds)"), std::string::npos) << payoff.reason();
+  job.Rounds(1, 0.03, 4);
   EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
   EXPECT_NE(payoff.reason().find("against bsp's 133.3 gradients/s"), std::string::npos)
@@ -108,6 +114,7 @@ TEST(DelayPayoff, ADelayThatDoesNotPayIsGivenUpAndRetriedEverMoreRarely) {
   DelayPayoffOptions o;
   DelayPayoff payoff(o);
   Job job(payoff);
+  ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
   job.Rounds(20, 0.010, 4);  // bsp: 400 gradients/s
   // Shared cores: without the "slow" worker rounds close 25 % sooner with 3 gradients, and
   // its gradients come late: no faster progress.
@@ -235,13 +242,75 @@ TEST(DelayPayoff, ATrialCutShortByNoiseCountsAsFailed) {
   EXPECT_FALSE(Delays(payoff.Gate(Bsp(4))));
   EXPECT_NE(payoff.reason().find("did not last the trial (4 of 20 rounds)"), std::string::npos)
       << payoff.reason();
-  // Flapping back at once starts no new trial before the backoff.
-  for (uint32_t i = 0; i + 1 < o.backoff_rounds; ++i) {
+  // Flapping back at once starts no new trial before the backoff, nor while it goes on.
+  for (uint32_t i = 0; i < 2 * o.backoff_rounds; ++i) {
     job.Rounds(1, 0.010, 4);
     ASSERT_FALSE(Delays(payoff.Gate(i % 2 ? Bsp(4) : DelayLast(4)))) << i;
   }
-  job.Rounds(2, 0.010, 4);
+  // A slowdown that lasts: bsp measured with it, then a trial.
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("measuring bsp's pace"), std::string::npos) << payoff.reason();
+  job.Rounds(o.min_baseline_rounds + 1, 0.010, 4);
   EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
+}
+
+TEST(DelayPayoff, ATrialThatRanItsCourseIsNotCountedAsCutShort) {
+  DelayPayoffOptions o;
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.010);
+  job.Rounds(o.settle_rounds + o.measure_rounds + 1, 0.008, 3);
+  // The trial is complete when the straggler recovers: no backoff.
+  EXPECT_FALSE(Delays(payoff.Gate(Bsp(4))));
+  EXPECT_EQ(payoff.reason(), "");
+  job.Rounds(o.settle_rounds + o.min_baseline_rounds + 1, 0.010, 4);
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));  // a new slowdown: bsp measured with it
+  job.Rounds(o.min_baseline_rounds + 1, 0.030, 4);
+  EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
+}
+
+// A worker turns 3x slower in the middle of a job: its first trial is measured against bsp
+// with it (30 ms rounds), not against the 10 ms rounds before, and passes.
+TEST(DelayPayoff, AStragglerThatAppearsMidJobPassesItsFirstTrial) {
+  DelayPayoffOptions o;
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  for (int i = 0; i < 100; ++i) {
+    job.Rounds(1, 0.010, 4);
+    ASSERT_FALSE(Delays(payoff.Gate(Bsp(4))));
+  }
+  job.Rounds(4, 0.030, 4);  // the policy needs a few slow iterations to see it
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  for (uint32_t i = 0; i <= o.min_baseline_rounds; ++i) {
+    job.Rounds(1, 0.030, 4);
+    (void)payoff.Gate(DelayLast(4));
+  }
+  ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial) << payoff.reason();
+  EXPECT_NE(payoff.reason().find("against bsp's 133.3"), std::string::npos) << payoff.reason();
+  // Delayed: 3 fresh per 10 ms and the straggler's a quarter every third round.
+  for (uint32_t i = 0; i < o.settle_rounds + o.measure_rounds + 1; ++i) {
+    job.Rounds(1, 0.010, 3, 3, 3);
+    ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4)))) << payoff.reason();
+  }
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+}
+
+TEST(DelayPayoff, AMembershipChangeForgetsTheBackoff) {
+  DelayPayoffOptions o;
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.010);
+  job.Rounds(o.settle_rounds + o.measure_rounds + 1, 0.0075, 3);  // 1.00x: fails
+  ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  ASSERT_NE(payoff.reason().find("next trial after round"), std::string::npos);
+  // A slow worker joins: what failed with the old workers says nothing of the new ones.
+  payoff.MembershipChanged();
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(5))));
+  job.Rounds(o.settle_rounds + o.min_baseline_rounds + 1, 0.030, 5);
+  EXPECT_TRUE(Delays(payoff.Gate(DelayLast(5))));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
 }
 
 TEST(DelayPayoff, AStragglerThatRecoversEndsTheDelayAtOnce) {

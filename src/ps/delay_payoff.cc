@@ -22,8 +22,11 @@ AutoDecision AsBsp(const AutoDecision& d) {
 }  // namespace
 
 DelayPayoff::DelayPayoff(DelayPayoffOptions options)
-    : opt_(options), backoff_(options.backoff_rounds) {
+    : opt_(options) {
   opt_.measure_rounds = std::max<uint32_t>(opt_.measure_rounds, 2);
+  opt_.backoff_rounds = std::max<uint32_t>(opt_.backoff_rounds, 1);
+  opt_.max_backoff_rounds = std::max(opt_.max_backoff_rounds, opt_.backoff_rounds);
+  backoff_ = opt_.backoff_rounds;
   opt_.min_baseline_rounds = std::clamp<uint32_t>(opt_.min_baseline_rounds, 2, opt_.measure_rounds);
 }
 
@@ -58,21 +61,33 @@ void DelayPayoff::MembershipChanged() {
   trial_.clear();
   settle_ = opt_.settle_rounds;
   // The bsp pace a trial or a kept delay is compared with was measured with other workers:
-  // measure bsp again, then try again.
+  // measure bsp again, then try again; what failed with the old workers says nothing of the
+  // new ones, so no backoff either.
   phase_ = Phase::kBsp;
+  retry_after_ = 0;
+  backoff_ = opt_.backoff_rounds;
 }
 
 void DelayPayoff::GiveUp() {
   phase_ = Phase::kBsp;
   retry_after_ = rounds_closed_ + backoff_;
-  backoff_ = std::min(backoff_ * 2, std::max(opt_.max_backoff_rounds, opt_.backoff_rounds));
+  backoff_ = static_cast<uint32_t>(
+      std::min<uint64_t>(uint64_t{backoff_} * 2, opt_.max_backoff_rounds));
   trial_.clear();
 }
 
 AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   AutoDecision out = proposal;
-  if (!Delays(proposal)) {
-    if (phase_ == Phase::kTrial) {
+  const bool proposes = Delays(proposal);
+  if (proposes && !proposing_ && phase_ == Phase::kBsp && !delaying_) {
+    // Somebody turned slow: bsp's pace before that is not what delaying must beat, or a
+    // straggler that appears mid-job would fail its first trial against the faster rounds
+    // before it. bsp is measured anew, with the straggler.
+    bsp_.clear();
+  }
+  proposing_ = proposes;
+  if (!proposes) {
+    if (phase_ == Phase::kTrial && trial_.size() < opt_.measure_rounds + 1u) {
       // The slowness did not last the trial: noise, not a straggler. Counted as a failed
       // trial, or flapping proposals would each start one and no backoff would ever apply.
       const size_t measured = trial_.empty() ? 0 : trial_.size() - 1;

@@ -5,8 +5,9 @@
 // sooner but carry fewer fresh gradients, and the job's progress per second stays where it
 // was, now with stale gradients that cost accuracy. So a proposal to delay is tried, and kept
 // only if it pays:
-//   - while the job runs as bsp the pace of its progress is measured: the last
-//     `measure_rounds` rounds, progress = the gradients they applied;
+//   - once the policy proposes to delay somebody, the job, still bsp, measures the pace of
+//     its progress with the slow worker: at least `min_baseline_rounds` rounds (at most the
+//     last `measure_rounds`), progress = the gradients they applied;
 //   - a proposal to delay starts a trial of `measure_rounds` rounds (after `settle_rounds`
 //     for the queues to settle), in which a gradient applied s rounds after the version it
 //     was computed on counts 1 / (1 + s) of a fresh one (the discount of staleness-aware
@@ -75,13 +76,14 @@ class DelayPayoff {
   DelayPayoffOptions opt_;
   Phase phase_ = Phase::kBsp;
   bool delaying_ = false;      // the last decision handed out delays somebody
+  bool proposing_ = false;     // the last proposal delayed somebody
   uint32_t settle_ = 0;        // rounds still to skip after a switch
   std::deque<Sample> bsp_;     // the last rounds closed under bsp
   std::deque<Sample> trial_;   // the last rounds closed delaying (the trial, then the delay)
   double bsp_pace_ = 0;        // bsp's pace when the trial started: what delay must beat
   uint64_t rounds_closed_ = 0;
   uint64_t retry_after_ = 0;   // no trial before this many rounds have closed
-  uint32_t backoff_;
+  uint32_t backoff_ = 0;
   std::string reason_;
 };
 

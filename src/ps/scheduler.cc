@@ -602,10 +602,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // whether delaying is tried, kept or given up; a change goes to the rule.
   void Redecide() {
     if (!policy_) return;
-    policy_->Decide();
+    const bool proposal_changed = policy_->Decide();
     const auto phase = payoff_->phase();
     AutoDecision d = payoff_->Gate(policy_->decision());
-    if (d == applied_ && phase == payoff_->phase()) return;
+    // Logged also when only the proposal or the phase changed: a straggler held at bsp while
+    // bsp's pace is measured, or during a backoff, is said so.
+    if (d == applied_ && phase == payoff_->phase() && !proposal_changed) return;
     const bool changed = d != applied_;
     applied_ = std::move(d);
     for (const auto& [id, allowance] : applied_.allowance) {
