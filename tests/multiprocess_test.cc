@@ -604,8 +604,10 @@ TEST_F(MultiProcess, TrainRunsTheMainJobThroughJoinLeaveKillAndLatency) {
   EXPECT_EQ(summary["scenario"].get<std::string>(),
             "worker 3 joins at round 60; worker 2 leaves at round 150; worker 1 killed at round "
             "200; worker 0 +3 ms link latency");
-  // The budget (1.5 epochs of 64-sample minibatches) was trained, by whoever was there.
-  EXPECT_GE(summary["gradients"].get<uint64_t>(), 1400u);
+  // The budget (1.5 epochs of 64-sample minibatches: 1407 gradients) was trained, by whoever
+  // was there. The count sums the workers' reports, every 10 iterations and when a worker
+  // stops: the killed worker's last (up to 9) iterations go uncounted.
+  EXPECT_GE(summary["gradients"].get<uint64_t>(), 1407u - 9u);
   EXPECT_GE(summary["final_accuracy"].get<double>(), 0.70) << out;
   const auto& curve = summary["curve"];
   ASSERT_GE(curve.size(), 3u);

@@ -236,20 +236,25 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
   };
   double loss_sum = 0, compute_sum = 0, norm_sum = 0;
   uint32_t since_report = 0;
+  // The means of the iterations since the last @progress line.
+  auto emit_progress = [&](uint32_t iteration, Version version) {
+    std::printf("@progress {\"it\":%u,\"v\":%llu,\"loss\":%.5f,\"compute_ms\":%.3f,"
+                "\"gnorm\":%.5g}\n",
+                iteration, static_cast<unsigned long long>(version), loss_sum / since_report,
+                1000 * compute_sum / since_report, norm_sum / since_report);
+    loss_sum = compute_sum = norm_sum = 0;
+    since_report = 0;
+  };
+  uint32_t last_iteration = 0;
+  Version last_version = 0;
   auto report = train::TrainMlp(w, data.train, data.test, o, [&](const train::Progress& p) {
+    last_iteration = p.iteration;
+    last_version = p.version;
     if (t.report_every) {
       loss_sum += p.loss;
       compute_sum += p.compute_seconds;
       norm_sum += p.grad_norm;
-      if (++since_report == t.report_every) {
-        std::printf("@progress {\"it\":%u,\"v\":%llu,\"loss\":%.5f,\"compute_ms\":%.3f,"
-                    "\"gnorm\":%.5g}\n",
-                    p.iteration, static_cast<unsigned long long>(p.version),
-                    loss_sum / since_report, 1000 * compute_sum / since_report,
-                    norm_sum / since_report);
-        loss_sum = compute_sum = norm_sum = 0;
-        since_report = 0;
-      }
+      if (++since_report == t.report_every) emit_progress(p.iteration, p.version);
     }
     if (p.eval) {
       std::printf("worker %u: iter %u version %llu test accuracy %.4f (loss %.4f, %u samples, "
@@ -265,6 +270,10 @@ int TrainFashionMnist(Worker& w, const TrainOptions& t, uint32_t initial_workers
     }
     std::fflush(stdout);
   });
+  // The iterations since the last line count too: the launcher sums the workers' counts
+  // into the job's (a worker that stops at the budget or leaves would otherwise go
+  // uncounted for up to report_every - 1 of them).
+  if (t.report_every && since_report > 0) emit_progress(last_iteration, last_version);
   if (!report.ok()) return Fail(report.status());
   if (o.final_eval) {
     std::printf("worker %u: final test accuracy %.4f, loss %.4f at version %llu after %u "
