@@ -95,14 +95,19 @@ struct Expected {
   std::vector<float> w, s0, s1;
 };
 
-Expected Reference(Update u, uint64_t n, uint32_t k, const ps::OptimizerScalars& sc) {
+// Staleness weights for up to kMaxGrads gradients: inverse's 1/(1+s) for s = 0, 1, 2.
+const float kWeights[kMaxGrads] = {1.0f, 0.5f, static_cast<float>(1.0 / 3.0)};
+
+// `weights`: null, or one per gradient (the round's sum weighs each gradient by its weight).
+Expected Reference(Update u, uint64_t n, uint32_t k, const ps::OptimizerScalars& sc,
+                   const float* weights = nullptr) {
   const Inputs& in = TheInputs();
   Expected e{{in.w.begin(), in.w.begin() + n},
              {in.s0.begin(), in.s0.begin() + n},
              {in.s1.begin(), in.s1.begin() + n}};
   for (uint64_t i = 0; i < n; ++i) {
-    float sum = in.g[0][i];
-    for (uint32_t j = 1; j < k; ++j) sum += in.g[j][i];
+    float sum = weights ? weights[0] * in.g[0][i] : in.g[0][i];
+    for (uint32_t j = 1; j < k; ++j) sum += weights ? weights[j] * in.g[j][i] : in.g[j][i];
     switch (u) {
       case Update::kSum: ps::SumStep(e.w[i], sum); break;
       case Update::kSgd: ps::SgdStep(e.w[i], sum, sc); break;
@@ -190,17 +195,24 @@ std::string GuardsIntact(const char* what, Guarded& a) {
 
 // Runs every thread of a `threads`-thread grid, one after another.
 void EmulateGrid(Update u, uint64_t threads, float* w, float* s0, float* s1, const float* g,
-                 uint32_t k, uint64_t stride, uint64_t n, const ps::OptimizerScalars& sc) {
+                 const float* weights, uint32_t k, uint64_t stride, uint64_t n,
+                 const ps::OptimizerScalars& sc) {
   for (uint64_t t = 0; t < threads; ++t) {
     switch (u) {
-      case Update::kSum: ApplyThread<Update::kSum>(t, threads, w, s0, s1, g, k, stride, n, sc); break;
-      case Update::kSgd: ApplyThread<Update::kSgd>(t, threads, w, s0, s1, g, k, stride, n, sc); break;
-      case Update::kMomentum:
-        ApplyThread<Update::kMomentum>(t, threads, w, s0, s1, g, k, stride, n, sc);
+      case Update::kSum:
+        ApplyThread<Update::kSum>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
         break;
-      case Update::kAdam: ApplyThread<Update::kAdam>(t, threads, w, s0, s1, g, k, stride, n, sc); break;
+      case Update::kSgd:
+        ApplyThread<Update::kSgd>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
+        break;
+      case Update::kMomentum:
+        ApplyThread<Update::kMomentum>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
+        break;
+      case Update::kAdam:
+        ApplyThread<Update::kAdam>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
+        break;
       case Update::kAdamW:
-        ApplyThread<Update::kAdamW>(t, threads, w, s0, s1, g, k, stride, n, sc);
+        ApplyThread<Update::kAdamW>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
         break;
     }
   }
@@ -227,40 +239,44 @@ TEST_P(ApplyThreadEmulation, EveryGridAndLayoutMatchesThePlainLoopBitForBit) {
   for (uint64_t n : kSizes) {
     for (uint32_t k = 1; k <= kMaxGrads; ++k) {
       const ps::OptimizerScalars sc = Scalars(k);
-      const Expected want = Reference(u, n, k, sc);
-      for (const Layout& l : kLayouts) {
-        const uint64_t stride =
-            static_cast<uint64_t>(static_cast<int64_t>(GradientStride(n)) + l.stride_extra);
-        for (uint64_t threads : kGrids) {
-          SCOPED_TRACE(fmt::format("{}: n={} k={} stride={} layout '{}' grid of {} threads",
-                                   Name(u), n, k, stride, l.name, threads));
-          Guarded w(in.w.data(), n, l.w, kGuardValue);
-          Guarded s0(in.s0.data(), n, l.s0, kGuardValue);
-          Guarded s1(in.s1.data(), n, l.s1, kGuardValue);
-          // k gradients `stride` apart; the padding between them is poison too.
-          Arena garena(kGuard + l.g + (k - 1) * stride + n + kGuard, kPoison);
-          float* g = garena.at(kGuard + l.g);
-          for (uint32_t j = 0; j < k; ++j) std::copy(in.g[j].begin(), in.g[j].begin() + n, g + j * stride);
-          const std::vector<float> g_before(garena.at(0), garena.end());
+      // Unweighted, and weighted by staleness: each path must match the plain loop.
+      for (const float* weights : {static_cast<const float*>(nullptr), kWeights}) {
+        const Expected want = Reference(u, n, k, sc, weights);
+        for (const Layout& l : kLayouts) {
+          const uint64_t stride =
+              static_cast<uint64_t>(static_cast<int64_t>(GradientStride(n)) + l.stride_extra);
+          for (uint64_t threads : kGrids) {
+            SCOPED_TRACE(fmt::format("{}: n={} k={} stride={} layout '{}' grid of {} threads{}",
+                                     Name(u), n, k, stride, l.name, threads,
+                                     weights ? ", weighted" : ""));
+            Guarded w(in.w.data(), n, l.w, kGuardValue);
+            Guarded s0(in.s0.data(), n, l.s0, kGuardValue);
+            Guarded s1(in.s1.data(), n, l.s1, kGuardValue);
+            // k gradients `stride` apart; the padding between them is poison too.
+            Arena garena(kGuard + l.g + (k - 1) * stride + n + kGuard, kPoison);
+            float* g = garena.at(kGuard + l.g);
+            for (uint32_t j = 0; j < k; ++j) std::copy(in.g[j].begin(), in.g[j].begin() + n, g + j * stride);
+            const std::vector<float> g_before(garena.at(0), garena.end());
 
-          const bool drop0 = l.null_unused && StateArraysOf(u) < 1;
-          const bool drop1 = l.null_unused && StateArraysOf(u) < 2;
-          float* p0 = drop0 ? nullptr : s0.data;
-          float* p1 = drop1 ? nullptr : s1.data;
-          const bool vec4 = UsesVec4Of(u, w.data, p0, p1, g, k, stride);
-          ASSERT_EQ(vec4, ExpectVec4(u, l, k, stride));
-          (vec4 ? vec4_runs : scalar_runs)++;
+            const bool drop0 = l.null_unused && StateArraysOf(u) < 1;
+            const bool drop1 = l.null_unused && StateArraysOf(u) < 2;
+            float* p0 = drop0 ? nullptr : s0.data;
+            float* p1 = drop1 ? nullptr : s1.data;
+            const bool vec4 = UsesVec4Of(u, w.data, p0, p1, g, k, stride);
+            ASSERT_EQ(vec4, ExpectVec4(u, l, k, stride));
+            (vec4 ? vec4_runs : scalar_runs)++;
 
-          EmulateGrid(u, threads, w.data, p0, p1, g, k, stride, n, sc);
+            EmulateGrid(u, threads, w.data, p0, p1, g, weights, k, stride, n, sc);
 
-          ASSERT_EQ(Diff("w", w.data, want.w.data(), n), "");
-          // Unused state arrays must come back as they went in.
-          ASSERT_EQ(Diff("s0", s0.data, StateArraysOf(u) >= 1 ? want.s0.data() : in.s0.data(), n), "");
-          ASSERT_EQ(Diff("s1", s1.data, StateArraysOf(u) >= 2 ? want.s1.data() : in.s1.data(), n), "");
-          ASSERT_EQ(GuardsIntact("w", w), "");
-          ASSERT_EQ(GuardsIntact("s0", s0), "");
-          ASSERT_EQ(GuardsIntact("s1", s1), "");
-          ASSERT_EQ(Diff("gradients", garena.at(0), g_before.data(), g_before.size()), "");
+            ASSERT_EQ(Diff("w", w.data, want.w.data(), n), "");
+            // Unused state arrays must come back as they went in.
+            ASSERT_EQ(Diff("s0", s0.data, StateArraysOf(u) >= 1 ? want.s0.data() : in.s0.data(), n), "");
+            ASSERT_EQ(Diff("s1", s1.data, StateArraysOf(u) >= 2 ? want.s1.data() : in.s1.data(), n), "");
+            ASSERT_EQ(GuardsIntact("w", w), "");
+            ASSERT_EQ(GuardsIntact("s0", s0), "");
+            ASSERT_EQ(GuardsIntact("s1", s1), "");
+            ASSERT_EQ(Diff("gradients", garena.at(0), g_before.data(), g_before.size()), "");
+          }
         }
       }
     }
@@ -289,7 +305,7 @@ TEST(ApplyThreadEmulationCount, EveryElementIsHandledExactlyOnce) {
         Guarded w(zeros.data(), n, off, kGuardValue);
         Guarded g(ones.data(), n, off, kGuardValue);
         ASSERT_EQ(UsesVec4<Update::kSum>(w.data, nullptr, nullptr, g.data, 1, n), off == 0);
-        EmulateGrid(Update::kSum, threads, w.data, nullptr, nullptr, g.data, 1, n, n, sc);
+        EmulateGrid(Update::kSum, threads, w.data, nullptr, nullptr, g.data, nullptr, 1, n, n, sc);
         ASSERT_EQ(Diff("w (times handled)", w.data, ones.data(), n), "");
         ASSERT_EQ(GuardsIntact("w", w), "");
       }
@@ -349,8 +365,8 @@ TEST(CudaApplyKernels, Vec4AndScalarPathsAgreeBitForBitOnTheDevice) {
                                    cudaMemcpyHostToDevice));
           }
           ASSERT_EQ(UsesVec4Of(u, w.p + off, s0.p + off, s1.p + off, g.p + off, k, stride), path == 0);
-          ASSERT_CUDA(LaunchApplyRound(u, w.p + off, s0.p + off, s1.p + off, g.p + off, k, stride,
-                                       n, sc, nullptr));
+          ASSERT_CUDA(LaunchApplyRound(u, w.p + off, s0.p + off, s1.p + off, g.p + off, nullptr,
+                                       k, stride, n, sc, nullptr));
           ASSERT_CUDA(cudaDeviceSynchronize());
           DeviceArray* arrays[3] = {&w, &s0, &s1};
           for (int a = 0; a < 3; ++a) {

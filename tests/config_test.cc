@@ -6,6 +6,7 @@
 #include <set>
 #include <tuple>
 
+#include <cmath>
 #include <limits>
 
 #include "ps/settings.h"
@@ -50,6 +51,44 @@ TEST(SyncModeParse, RejectsMalformedModesWithTheAcceptedForms) {
               std::string::npos)
         << r.status().message();
   }
+}
+
+TEST(StalenessPolicy, ParsesRoundTripsAndWeighs) {
+  for (const char* text : {"none", "inverse", "exp:0.5", "exp:1", "exp:0.1"}) {
+    EXPECT_EQ(StalenessPolicy::Parse(text).value().ToString(), text);
+  }
+  const StalenessPolicy none = StalenessPolicy::Parse("none").value();
+  const StalenessPolicy inverse = StalenessPolicy::Parse("inverse").value();
+  const StalenessPolicy exp = StalenessPolicy::Parse("exp:0.5").value();
+  for (const StalenessPolicy& p : {none, inverse, exp}) EXPECT_EQ(p.Weight(0), 1.0f);
+  EXPECT_EQ(none.Weight(7), 1.0f);
+  EXPECT_EQ(inverse.Weight(1), 0.5f);
+  EXPECT_EQ(inverse.Weight(3), 0.25f);
+  EXPECT_EQ(inverse.Weight(2), static_cast<float>(1.0 / 3.0));
+  EXPECT_EQ(exp.Weight(1), 0.5f);
+  EXPECT_EQ(exp.Weight(4), 0.0625f);
+  EXPECT_EQ(StalenessPolicy::Parse("exp:0.9").value().Weight(2), static_cast<float>(
+                std::pow(static_cast<double>(0.9f), 2.0)));
+  // Far beyond any bound: tiny or zero, never negative or NaN.
+  EXPECT_GE(exp.Weight(UINT64_MAX), 0.0f);
+  EXPECT_GT(inverse.Weight(UINT64_MAX), 0.0f);
+  EXPECT_EQ(StalenessPolicy::Parse("exp:1").value().Weight(1000), 1.0f);
+}
+
+TEST(StalenessPolicy, RefusesWhatIsNotAPolicyWithTheAcceptedForms) {
+  for (const char* text : {"", "exp", "exp:", "exp:0", "exp:-0.5", "exp:1.5", "exp:nan",
+                           "exp:x", "inverse:2", "linear"}) {
+    auto r = StalenessPolicy::Parse(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find("exp:C"), std::string::npos) << r.status().message();
+  }
+  auto env = Config::FromEnvironment({{"DSYNC_STALENESS_POLICY", "exp:2"}});
+  ASSERT_FALSE(env.ok());
+  EXPECT_NE(env.status().message().find("DSYNC_STALENESS_POLICY"), std::string::npos)
+      << env.status().message();
+  EXPECT_EQ(Config::FromEnvironment({{"DSYNC_STALENESS_POLICY", "inverse"}}).value().staleness,
+            StalenessPolicy::Parse("inverse").value());
 }
 
 TEST(SyncModeParse, AutoCarriesItsMaximumBound) {
@@ -108,6 +147,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
                  .dampening = 0.0f, .nesterov = true, .beta1 = 0.8f, .beta2 = 0.95f,
                  .eps = 1e-7f, .weight_decay = 1e-4f};
   c.slice_bytes = 123456;
+  c.staleness = StalenessPolicy::Parse("exp:0.3").value();
   c.max_gradients = 999;
   c.heartbeat_interval_ms = 250;
   c.heartbeat_timeout_ms = 1500;
@@ -140,6 +180,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   EXPECT_EQ(back.sync, c.sync);
   EXPECT_EQ(back.optimizer, c.optimizer);  // floats bit for bit
   EXPECT_EQ(back.slice_bytes, c.slice_bytes);
+  EXPECT_EQ(back.staleness, c.staleness);
   EXPECT_EQ(back.max_gradients, 999u);
   EXPECT_EQ(back.heartbeat_interval_ms, 250u);
   EXPECT_EQ(back.heartbeat_timeout_ms, 1500u);

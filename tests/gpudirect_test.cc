@@ -96,8 +96,8 @@ class FakeGpuStore final : public ps::ParamStore {
   bool HasSlice(ps::SliceKey k) const override { return cpu_->HasSlice(k); }
   uint64_t SliceElements(ps::SliceKey k) const override { return cpu_->SliceElements(k); }
   Status ApplyRound(ps::SliceKey k, std::span<const float* const> grads,
-                    const OptimizerConfig& opt) override {
-    return cpu_->ApplyRound(k, grads, opt);
+                    std::span<const float> weights, const OptimizerConfig& opt) override {
+    return cpu_->ApplyRound(k, grads, weights, opt);
   }
   Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
 

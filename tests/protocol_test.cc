@@ -258,6 +258,7 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   w.sync = SyncMode::Dsync(2, 3);
   w.optimizer.kind = OptimizerKind::kAdam;
   w.optimizer.lr = 0.125f;
+  w.staleness = StalenessPolicy::Parse("exp:0.7").value();
   w.slice_bytes = 1 << 20;
   w.servers = {{1, "a", 10, {}}, {2, "b", 11, {}}};
   w.servers[1].proof[3] = 9;
@@ -272,6 +273,7 @@ TEST(Handshake, HelloAndWelcomeRoundTrip) {
   EXPECT_EQ(wb->id, 1003u);
   EXPECT_EQ(wb->sync, w.sync);
   EXPECT_EQ(wb->optimizer, w.optimizer);
+  EXPECT_EQ(wb->staleness, w.staleness);
   ASSERT_EQ(wb->servers.size(), 2u);
   EXPECT_EQ(wb->servers[1].host, "b");
   EXPECT_EQ(wb->servers[1].proof, w.servers[1].proof);
@@ -320,6 +322,25 @@ TEST(Handshake, NumbersAFieldCannotHoldAreRefusedNotWrapped) {
   ASSERT_NE(lr, std::string::npos);
   text.insert(lr + 5, "1e39,\"x\":");  // a learning rate beyond any float
   EXPECT_FALSE(DecodeWelcome(AsBytes(text)).ok()) << text;
+}
+
+TEST(Handshake, AWelcomeWithABadStalenessPolicyIsRefusedAndNoneIsTheDefault) {
+  Welcome w;
+  std::string text = EncodeWelcome(w);
+  const auto at = text.find("\"staleness\":\"none\"");
+  ASSERT_NE(at, std::string::npos) << text;
+  std::string bad = text;
+  bad.replace(at, 18, "\"staleness\":\"exp:2\"");
+  const auto refused = DecodeWelcome(AsBytes(bad));
+  ASSERT_FALSE(refused.ok()) << bad;
+  EXPECT_EQ(refused.status().code(), StatusCode::kProtocol);
+  EXPECT_NE(refused.status().message().find("exp:C must be in (0, 1]"), std::string::npos)
+      << refused.status().message();
+  std::string absent = text;
+  absent.erase(at, 19);  // the field and its comma: a welcome from before the policy existed
+  const auto old = DecodeWelcome(AsBytes(absent));
+  ASSERT_TRUE(old.ok()) << absent << ": " << old.status().ToString();
+  EXPECT_EQ(old->staleness.kind, StalenessKind::kNone);
 }
 
 TEST(Handshake, TokensMatchOnlyWhenEqual) {

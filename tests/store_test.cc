@@ -53,11 +53,15 @@ using dsync::testing::Random;
 struct Reference {
   std::vector<double> w, s0, s1;
   uint64_t t = 0;
-  void Step(const OptimizerConfig& o, const std::vector<std::vector<float>>& grads) {
+  // `weights`: empty, or each gradient's staleness weight.
+  void Step(const OptimizerConfig& o, const std::vector<std::vector<float>>& grads,
+            const std::vector<float>& weights = {}) {
     ++t;
     for (size_t i = 0; i < w.size(); ++i) {
       double sum = 0;
-      for (const auto& g : grads) sum += g[i];
+      for (size_t k = 0; k < grads.size(); ++k) {
+        sum += (weights.empty() ? 1.0 : static_cast<double>(weights[k])) * grads[k][i];
+      }
       if (o.kind == OptimizerKind::kSum) {
         w[i] += sum;
         continue;
@@ -126,6 +130,58 @@ TEST_P(StoreTest, EveryOptimizerMatchesTheReferenceOverSeveralRounds) {
   }
 }
 
+// Staleness weights (inverse's 1/(1+s) for s = 0, 2, 1): each gradient counts its weight in
+// the sum every optimizer uses.
+TEST_P(StoreTest, StalenessWeightsScaleEachGradientForEveryOptimizer) {
+  const std::vector<float> weights = {1.0f, 1.0f / 3.0f, 0.5f};
+  for (OptimizerKind kind : {OptimizerKind::kSum, OptimizerKind::kSgd, OptimizerKind::kMomentum,
+                             OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+    SCOPED_TRACE(std::string(OptimizerName(kind)));
+    const size_t n = 4099;
+    const SliceKey key = MakeSliceKey(10 + static_cast<uint32_t>(kind), 0);
+    const std::vector<float> init = Random(n, 2);
+    ASSERT_TRUE(store_->InitSlice(key, init).ok());
+    Reference ref{{init.begin(), init.end()}, std::vector<double>(n), std::vector<double>(n)};
+    const OptimizerConfig opt = Optimizer(kind);
+    for (uint32_t round = 0; round < 3; ++round) {
+      std::vector<std::vector<float>> grads;
+      for (uint32_t k = 0; k < 3; ++k) grads.push_back(Random(n, 500 + round * 10 + k));
+      std::vector<const float*> ptrs;
+      for (const auto& g : grads) ptrs.push_back(g.data());
+      ASSERT_TRUE(store_->ApplyRound(key, ptrs, weights, opt).ok());
+      ref.Step(opt, grads, weights);
+    }
+    std::vector<float> out(n, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(store_->Read(key, out).ok());
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(out[i], ref.w[i], 1e-5 * std::max(1.0, std::abs(ref.w[i])))
+          << "element " << i << " of " << n;
+    }
+  }
+}
+
+// A weight of exactly 1 (a fresh gradient under any policy) sums bit for bit as no weights.
+TEST_P(StoreTest, WeightsOfOneAreBitIdenticalToNoWeights) {
+  const size_t n = 1027;
+  const SliceKey plain = MakeSliceKey(20, 0), weighed = MakeSliceKey(20, 1);
+  const std::vector<float> init = Random(n, 3);
+  ASSERT_TRUE(store_->InitSlice(plain, init).ok());
+  ASSERT_TRUE(store_->InitSlice(weighed, init).ok());
+  const std::vector<float> ones = {1.0f, 1.0f, 1.0f};
+  for (uint32_t round = 0; round < 3; ++round) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t k = 0; k < 3; ++k) grads.push_back(Random(n, 600 + round * 10 + k));
+    std::vector<const float*> ptrs;
+    for (const auto& g : grads) ptrs.push_back(g.data());
+    ASSERT_TRUE(store_->ApplyRound(plain, ptrs, Optimizer(OptimizerKind::kAdam)).ok());
+    ASSERT_TRUE(store_->ApplyRound(weighed, ptrs, ones, Optimizer(OptimizerKind::kAdam)).ok());
+  }
+  std::vector<float> a(n), b(n);
+  ASSERT_TRUE(store_->Read(plain, a).ok());
+  ASSERT_TRUE(store_->Read(weighed, b).ok());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), n * sizeof(float)));
+}
+
 TEST_P(StoreTest, SumsInTheGivenOrderExactly) {
   // Order matters in floating point: (big + 1) - big loses the 1, big + (1 - big) keeps it.
   const SliceKey key = MakeSliceKey(0, 0);
@@ -158,6 +214,17 @@ TEST_P(StoreTest, ErrorsAreValues) {
   EXPECT_EQ(store_->InitSlice(key, std::vector<float>(8, 1.0f)).code(),
             StatusCode::kAlreadyExists);
   EXPECT_EQ(store_->Read(key, out).code(), StatusCode::kInvalidArgument);
+  // One weight per gradient, or none: anything else is refused and changes nothing.
+  const std::vector<float> g(8, 5.0f);
+  const float* two[] = {g.data(), g.data()};
+  const std::vector<float> one_weight = {0.5f};
+  const Status mismatch = store_->ApplyRound(key, two, one_weight, Optimizer(OptimizerKind::kSum));
+  EXPECT_EQ(mismatch.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(mismatch.message().find("2 gradient(s) came with 1 weight(s)"), std::string::npos)
+      << mismatch.message();
+  std::vector<float> all(8);
+  ASSERT_TRUE(store_->Read(key, all).ok());
+  EXPECT_EQ(all, std::vector<float>(8, 1.0f));
   EXPECT_EQ(store_->SliceElements(key), 8u);
   EXPECT_TRUE(store_->HasSlice(key));
   EXPECT_FALSE(store_->HasSlice(MakeSliceKey(2, 1)));
@@ -530,13 +597,17 @@ TEST(CudaStore, MatchesTheCpuStoreWithinOneMillionthForEveryOptimizer) {
       const std::vector<float> init = Random(n, 7);
       ASSERT_TRUE(cpu->InitSlice(key, init).ok());
       ASSERT_TRUE((*gpu)->InitSlice(key, init).ok());
+      // Rounds 2 and 3 weigh their gradients by staleness (inverse's 1/(1+s)).
+      const std::vector<float> weights = {0.25f, 1.0f, 0.5f, 1.0f / 3.0f};
       for (uint32_t round = 0; round < 4; ++round) {
         std::vector<std::vector<float>> grads;
         for (uint32_t k = 0; k < round + 1; ++k) grads.push_back(Random(n, 300 + round * 10 + k));
         std::vector<const float*> ptrs;
         for (const auto& g : grads) ptrs.push_back(g.data());
-        ASSERT_TRUE(cpu->ApplyRound(key, ptrs, Optimizer(kind)).ok());
-        ASSERT_TRUE((*gpu)->ApplyRound(key, ptrs, Optimizer(kind)).ok());
+        const std::span<const float> w =
+            round < 2 ? std::span<const float>() : std::span<const float>(weights).first(round + 1);
+        ASSERT_TRUE(cpu->ApplyRound(key, ptrs, w, Optimizer(kind)).ok());
+        ASSERT_TRUE((*gpu)->ApplyRound(key, ptrs, w, Optimizer(kind)).ok());
       }
       std::vector<float> a(n, std::numeric_limits<float>::quiet_NaN());
       std::vector<float> b(n, std::numeric_limits<float>::quiet_NaN());  // poisoned

@@ -68,7 +68,8 @@ int RunTrainCommand(const std::string& self, const TrainSpec& spec) {
 int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string& modes,
                       const std::string& title) {
   if (Status s = CheckSpec(spec); !s.ok()) return Fail(s);
-  std::vector<SyncMode> parsed;
+  // A mode may name its staleness policy after a slash: "dsync:4,3/inverse".
+  std::vector<std::pair<SyncMode, StalenessPolicy>> parsed;
   std::vector<std::string> labels;
   std::stringstream in(modes);
   // Modes are separated by commas, but dsync:K,Q has one inside: a piece that is only a
@@ -81,9 +82,16 @@ int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string
     }
   }
   for (const std::string& l : labels) {
-    auto mode = SyncMode::Parse(l);
+    const size_t slash = l.find('/');
+    auto mode = SyncMode::Parse(l.substr(0, slash));
     if (!mode.ok()) return Fail(mode.status());
-    parsed.push_back(*mode);
+    StalenessPolicy policy = spec.job.staleness;
+    if (slash != std::string::npos) {
+      auto p = StalenessPolicy::Parse(l.substr(slash + 1));
+      if (!p.ok()) return Fail(p.status().WithContext(fmt::format("--modes '{}'", l)));
+      policy = *p;
+    }
+    parsed.emplace_back(*mode, policy);
   }
   if (parsed.empty()) return Fail(Error(StatusCode::kInvalidArgument, "--modes names no mode"));
   const std::string dir = spec.out_dir.empty() ? std::string("dsyncps-compare") : spec.out_dir;
@@ -91,7 +99,8 @@ int RunCompareCommand(const std::string& self, TrainSpec spec, const std::string
   std::vector<train::RunMetrics> runs;
   for (size_t i = 0; i < parsed.size(); ++i) {
     TrainSpec one = spec;
-    one.job.sync = parsed[i];
+    one.job.sync = parsed[i].first;
+    one.job.staleness = parsed[i].second;
     one.label = labels[i];
     one.out_dir.clear();
     std::printf("\n=== dsyncps compare: %s (%zu/%zu) ===\n", labels[i].c_str(), i + 1,

@@ -202,7 +202,9 @@ int main(int argc, char** argv) {
     }
   }
   trn->add_option("--out", main_cli.spec.out_dir, "write metrics.csv and summary.json here");
-  cmp->add_option("--modes", main_cli.modes, "comma-separated sync modes")->capture_default_str();
+  cmp->add_option("--modes", main_cli.modes,
+                  "comma-separated sync modes, each optionally MODE/STALENESS-POLICY "
+                  "(dsync:4,3/inverse)")->capture_default_str();
   cmp->add_option("--out", main_cli.spec.out_dir, "folder for the table, curves and plots")
       ->capture_default_str();
   cmp->add_option("--title", main_cli.title, "plot title (default: the scenario)");

@@ -53,6 +53,25 @@ struct SyncMode {
   bool operator==(const SyncMode&) const = default;
 };
 
+// How the servers weigh a gradient that is s rounds stale (s = the round it is applied in
+// minus the model version it was computed on; docs/contract.md, "Staleness"), chosen per job:
+// none weighs every gradient 1; inverse weighs it 1 / (1 + s) (staleness-aware asynchronous
+// SGD: the learning rate divided by the staleness); exp:C weighs it C^s, 0 < C <= 1. A
+// gradient with s = 0 always weighs exactly 1, so bsp is the same under every policy.
+enum class StalenessKind { kNone, kInverse, kExp };
+
+struct StalenessPolicy {
+  StalenessKind kind = StalenessKind::kNone;
+  float base = 1.0f;  // exp: C
+
+  // "none", "inverse", "exp:C".
+  static Result<StalenessPolicy> Parse(std::string_view text);
+  std::string ToString() const;
+  // The weight of a gradient `staleness` rounds stale, in [0, 1]; exactly 1 at 0.
+  float Weight(uint64_t staleness) const;
+  bool operator==(const StalenessPolicy&) const = default;
+};
+
 // The servers' optimizers, with torch.optim's formulas (docs/contract.md, "Optimizers"):
 // sgd is torch.optim.SGD without momentum (the momentum field is ignored), momentum is
 // torch.optim.SGD with momentum, dampening and nesterov, adam is torch.optim.Adam, adamw is
@@ -137,6 +156,7 @@ struct Config {
 
   SyncMode sync;
   OptimizerConfig optimizer;
+  StalenessPolicy staleness;
   uint64_t slice_bytes = 4ull << 20;
 
   // Scheduler: the job's training budget. Once this many gradients are committed, every

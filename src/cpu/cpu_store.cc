@@ -67,9 +67,11 @@ class CpuStore final : public ps::ParamStore {
 
   uint64_t SliceElements(SliceKey key) const override { return slices_.Elements(key); }
 
+  using ParamStore::ApplyRound;
   Status ApplyRound(SliceKey key, std::span<const float* const> grads,
-                    const OptimizerConfig& opt) override {
+                    std::span<const float> weights, const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
+    DSYNC_RETURN_IF_ERROR(ps::CheckRoundWeights(grads.size(), weights.size()));
     if (grads.empty()) return Status::Ok();
     // One range: the sum is fused with the update block by block (no separate aggregate).
     trace::Scoped range(trace::Range::kStoreApply);
@@ -86,10 +88,19 @@ class CpuStore final : public ps::ParamStore {
     float sum[kBlock];
     for (uint64_t base = 0; base < s->n; base += kBlock) {
       const size_t len = static_cast<size_t>(std::min<uint64_t>(kBlock, s->n - base));
-      std::memcpy(sum, grads[0] + base, len * sizeof(float));
-      for (size_t k = 1; k < grads.size(); ++k) {
-        const float* g = grads[k] + base;
-        for (size_t i = 0; i < len; ++i) sum[i] += g[i];
+      if (weights.empty()) {
+        std::memcpy(sum, grads[0] + base, len * sizeof(float));
+        for (size_t k = 1; k < grads.size(); ++k) {
+          const float* g = grads[k] + base;
+          for (size_t i = 0; i < len; ++i) sum[i] += g[i];
+        }
+      } else {
+        const float* g0 = grads[0] + base;
+        for (size_t i = 0; i < len; ++i) sum[i] = ps::WeighFirst(g0[i], weights[0]);
+        for (size_t k = 1; k < grads.size(); ++k) {
+          const float* g = grads[k] + base;
+          for (size_t i = 0; i < len; ++i) sum[i] = ps::AddWeighed(sum[i], g[i], weights[k]);
+        }
       }
       float* w = s->params.get() + base;
       switch (opt.kind) {

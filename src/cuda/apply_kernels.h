@@ -18,12 +18,13 @@ constexpr uint64_t GradientStride(uint64_t n) { return (n + 3) / 4 * 4; }
 
 // One round on one slice, fused: for every element, the k gradients (device memory, laid out
 // back to back `stride` floats apart) are summed in order 0..k-1 — the worker-id order that
-// makes rounds deterministic — and the optimizer step of ps/optimizer_math.h is applied to
+// makes rounds deterministic — each times its weight when `weights` (device memory, k floats)
+// is not null, and the optimizer step of ps/optimizer_math.h is applied to
 // w (and its state s0, s1). k >= 1. Asynchronous on `stream`; returns the launch error, if
 // any. Any pointer alignment and stride work; 16-byte aligned arrays and a stride that is a
 // multiple of 4 (GradientStride) take the float4 path (apply_thread.h), with equal results.
 cudaError_t LaunchApplyRound(Update update, float* w, float* s0, float* s1, const float* grads,
-                             uint32_t k, uint64_t stride, uint64_t n,
+                             const float* weights, uint32_t k, uint64_t stride, uint64_t n,
                              const ps::OptimizerScalars& scalars, cudaStream_t stream);
 
 }  // namespace dsync::cuda

@@ -78,30 +78,67 @@ DSYNC_HD void Step(float& w, float& s0, float& s1, float sum, const ps::Optimize
   (void)s1;
 }
 
+// The sum of the k >= 1 gradients of one element, in order 0..k-1, each weighed when
+// `weights` is not null (ps/optimizer_math.h WeighFirst, AddWeighed).
+DSYNC_HD float SumOf(const float* __restrict__ g, const float* __restrict__ weights, uint32_t k,
+                     uint64_t stride, uint64_t i) {
+  if (weights == nullptr) {
+    float sum = g[i];
+    for (uint32_t j = 1; j < k; ++j) sum += g[j * stride + i];
+    return sum;
+  }
+  float sum = ps::WeighFirst(g[i], weights[0]);
+  for (uint32_t j = 1; j < k; ++j) sum = ps::AddWeighed(sum, g[j * stride + i], weights[j]);
+  return sum;
+}
+
+// The same for 4 consecutive elements at once, with 16-byte loads: per element the very
+// operations SumOf does.
+DSYNC_HD float4 SumOf4(const float* __restrict__ g, const float* __restrict__ weights, uint32_t k,
+                       uint64_t stride, uint64_t i) {
+  float4 sum = Load4(g + i);
+  if (weights == nullptr) {
+    for (uint32_t j = 1; j < k; ++j) {
+      const float4 gj = Load4(g + j * stride + i);
+      sum.x += gj.x;
+      sum.y += gj.y;
+      sum.z += gj.z;
+      sum.w += gj.w;
+    }
+    return sum;
+  }
+  sum.x = ps::WeighFirst(sum.x, weights[0]);
+  sum.y = ps::WeighFirst(sum.y, weights[0]);
+  sum.z = ps::WeighFirst(sum.z, weights[0]);
+  sum.w = ps::WeighFirst(sum.w, weights[0]);
+  for (uint32_t j = 1; j < k; ++j) {
+    const float4 gj = Load4(g + j * stride + i);
+    sum.x = ps::AddWeighed(sum.x, gj.x, weights[j]);
+    sum.y = ps::AddWeighed(sum.y, gj.y, weights[j]);
+    sum.z = ps::AddWeighed(sum.z, gj.z, weights[j]);
+    sum.w = ps::AddWeighed(sum.w, gj.w, weights[j]);
+  }
+  return sum;
+}
+
 // Thread `thread` of `threads` (grid-stride): with the float4 path it takes groups of 4
 // elements q = thread, thread + threads, ... below n/4, then the n % 4 tail elements one
 // each; otherwise single elements thread, thread + threads, ... Every element of [0, n) is
 // owned by exactly one thread, and nothing outside it (nor gradient padding) is read.
-// Per element, both paths sum the k >= 1 gradients in order 0..k-1 and then call the same
-// Step, so they give identical results.
+// Per element, both paths sum the k >= 1 gradients in order 0..k-1 (weighed by `weights`,
+// k floats, when not null) and then call the same Step, so they give identical results.
 template <Update U>
 DSYNC_HD void ApplyThread(uint64_t thread, uint64_t threads, float* __restrict__ w,
                           float* __restrict__ s0, float* __restrict__ s1,
-                          const float* __restrict__ g, uint32_t k, uint64_t stride, uint64_t n,
+                          const float* __restrict__ g, const float* __restrict__ weights,
+                          uint32_t k, uint64_t stride, uint64_t n,
                           const ps::OptimizerScalars& sc) {
   uint64_t scalar_from = 0;
   if (UsesVec4<U>(w, s0, s1, g, k, stride)) {
     const uint64_t groups = n / 4;
     for (uint64_t q = thread; q < groups; q += threads) {
       const uint64_t i = 4 * q;
-      float4 sum = Load4(g + i);
-      for (uint32_t j = 1; j < k; ++j) {
-        const float4 gj = Load4(g + j * stride + i);
-        sum.x += gj.x;
-        sum.y += gj.y;
-        sum.z += gj.z;
-        sum.w += gj.w;
-      }
+      const float4 sum = SumOf4(g, weights, k, stride, i);
       float4 wv = Load4(w + i);
       float4 a{}, b{};
       if constexpr (kStateArrays<U> >= 1) a = Load4(s0 + i);
@@ -117,8 +154,7 @@ DSYNC_HD void ApplyThread(uint64_t thread, uint64_t threads, float* __restrict__
     scalar_from = 4 * groups;
   }
   for (uint64_t i = scalar_from + thread; i < n; i += threads) {
-    float sum = g[i];
-    for (uint32_t j = 1; j < k; ++j) sum += g[j * stride + i];
+    const float sum = SumOf(g, weights, k, stride, i);
     float wi = w[i];
     float a = 0.0f, b = 0.0f;
     if constexpr (kStateArrays<U> >= 1) a = s0[i];

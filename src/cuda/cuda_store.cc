@@ -105,9 +105,11 @@ class CudaStore final : public ps::ParamStore {
 
   uint64_t SliceElements(SliceKey key) const override { return slices_.Elements(key); }
 
+  using ParamStore::ApplyRound;
   Status ApplyRound(SliceKey key, std::span<const float* const> grads,
-                    const OptimizerConfig& opt) override {
+                    std::span<const float> weights, const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
+    DSYNC_RETURN_IF_ERROR(ps::CheckRoundWeights(grads.size(), weights.size()));
     if (grads.empty()) return Status::Ok();
     DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
     DSYNC_RETURN_IF_ERROR(device_memory_.FlushBeforeReading(grads, s->n * sizeof(float)));
@@ -126,7 +128,7 @@ class CudaStore final : public ps::ParamStore {
     }
     // Once anything is queued on the stream, it is synchronized before returning, error or
     // not: the caller reuses the host gradient buffers as soon as this returns.
-    const Status queued = EnqueueRound(s, lane.get(), grads, opt);
+    const Status queued = EnqueueRound(s, lane.get(), grads, weights, opt);
     const cudaError_t synced = cudaStreamSynchronize(lane->stream);
     DSYNC_RETURN_IF_ERROR(queued);
     if (synced != cudaSuccess) return CudaError(synced, "applying a round");
@@ -137,14 +139,15 @@ class CudaStore final : public ps::ParamStore {
   // Copies the round's gradients to the device and launches the update, on the lane's
   // stream; the caller synchronizes.
   Status EnqueueRound(const Slice* s, Lane* lane, std::span<const float* const> grads,
-                      const OptimizerConfig& opt) {
+                      std::span<const float> weights, const OptimizerConfig& opt) {
     // Padded so that every gradient slot keeps the kernel's 16-byte loads aligned.
     const uint64_t stride = GradientStride(s->n);
     {
       // Enqueue only; nsys projects the range onto the stream that runs the copies.
       trace::Scoped range(trace::Range::kStoreAggregate);
-      // The scratch only grows: in steady state a round allocates nothing.
-      const uint64_t need = stride * grads.size();
+      // The scratch only grows: in steady state a round allocates nothing. The weights, if
+      // any, follow the gradients.
+      const uint64_t need = stride * grads.size() + weights.size();
       if (need > lane->scratch_floats) {
         lane->scratch.reset();  // free first: the old and new areas need not coexist
         lane->scratch_floats = 0;
@@ -157,12 +160,20 @@ class CudaStore final : public ps::ParamStore {
                                           lane->stream),
                           "copying a gradient to the device");
       }
+      if (!weights.empty()) {
+        DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + stride * grads.size(),
+                                          weights.data(), weights.size_bytes(),
+                                          cudaMemcpyHostToDevice, lane->stream),
+                          "copying the gradients' weights to the device");
+      }
     }
     trace::Scoped range(trace::Range::kStoreApply);
     const ps::OptimizerScalars sc =
         ps::MakeOptimizerScalars(opt, s->steps + 1, static_cast<uint32_t>(grads.size()));
     DSYNC_CUDA_RETURN(LaunchApplyRound(UpdateOf(opt.kind), s->params.get(), s->state[0].get(),
                                        s->state[1].get(), lane->scratch.get(),
+                                       weights.empty() ? nullptr
+                                                       : lane->scratch.get() + stride * grads.size(),
                                        static_cast<uint32_t>(grads.size()), stride, s->n, sc,
                                        lane->stream),
                       "launching the update kernel");

@@ -25,8 +25,8 @@ void AuditLog::Round(const RoundRecord& rec) {
                  rec.live_workers, rec.quorum_needed);
   for (size_t i = 0; i < rec.members.size(); ++i) {
     const RoundMember& m = rec.members[i];
-    fmt::format_to(std::back_inserter(line), "{}[{},{},{}]", i ? "," : "", m.worker, m.clock,
-                   m.base);
+    fmt::format_to(std::back_inserter(line), "{}[{},{},{},{}]", i ? "," : "", m.worker, m.clock,
+                   m.base, rec.round > m.base ? rec.round - m.base : 0);
   }
   fmt::format_to(std::back_inserter(line), "]}}\n");
   Write(line);

@@ -24,7 +24,9 @@ class AuditLog {
   Status Open(const std::string& path);
   bool enabled() const { return file_ != nullptr; }
 
-  // {"round":R,"live":L,"quorum":Q,"members":[[worker,clock,base],...]}
+  // {"round":R,"live":L,"quorum":Q,"members":[[worker,clock,base,staleness],...]}, where a
+  // member's staleness is R - base: how many rounds its gradient's model is behind, what the
+  // staleness policy weighs it by.
   void Round(const RoundRecord& rec);
   // {"member":{"event":E,"role":"server"|"worker","id":N,"address":"HOST:PORT"}} with E
   // registered (a server: the address workers reach it at), joined (a worker: the address

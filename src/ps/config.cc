@@ -101,6 +101,41 @@ std::string SyncMode::ToString() const {
   return "unknown";
 }
 
+Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view text) {
+  if (text == "none") return StalenessPolicy{};
+  if (text == "inverse") return StalenessPolicy{StalenessKind::kInverse, 1.0f};
+  if (text.starts_with("exp:")) {
+    auto c = ps::ParseFloat("", text.substr(4));
+    if (c.ok() && *c > 0.0f && *c <= 1.0f) return StalenessPolicy{StalenessKind::kExp, *c};
+    return Error(StatusCode::kInvalidArgument,
+                 "staleness policy '{}': the factor C of exp:C must be in (0, 1]", text);
+  }
+  return Error(StatusCode::kInvalidArgument,
+               "staleness policy '{}' is not one of none, inverse, exp:C (0 < C <= 1)", text);
+}
+
+std::string StalenessPolicy::ToString() const {
+  switch (kind) {
+    case StalenessKind::kNone: return "none";
+    case StalenessKind::kInverse: return "inverse";
+    case StalenessKind::kExp: return fmt::format("exp:{}", base);
+  }
+  return "unknown";
+}
+
+float StalenessPolicy::Weight(uint64_t staleness) const {
+  if (staleness == 0) return 1.0f;
+  // In double, rounded once: every server (and a test replaying the audit log) gets the
+  // same float.
+  const double s = static_cast<double>(staleness);
+  switch (kind) {
+    case StalenessKind::kNone: return 1.0f;
+    case StalenessKind::kInverse: return static_cast<float>(1.0 / (1.0 + s));
+    case StalenessKind::kExp: return static_cast<float>(std::pow(static_cast<double>(base), s));
+  }
+  return 1.0f;
+}
+
 Status ValidateOptimizer(const OptimizerConfig& o) {
   const auto finite_at_least = [](float v, float lo) { return std::isfinite(v) && v >= lo; };
   const auto fraction = [](float v) { return v >= 0.0f && v < 1.0f; };  // false for nan

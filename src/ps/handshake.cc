@@ -126,6 +126,7 @@ std::string EncodeWelcome(const Welcome& w) {
              {{"kind", OptimizerName(o.kind)}, {"lr", o.lr}, {"momentum", o.momentum},
               {"dampening", o.dampening}, {"nesterov", o.nesterov}, {"beta1", o.beta1},
               {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}}},
+            {"staleness", w.staleness.ToString()},
             {"slice_bytes", w.slice_bytes},
             {"heartbeat_interval_ms", w.heartbeat_interval_ms},
             {"servers", servers},
@@ -165,6 +166,13 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   DSYNC_RETURN_IF_ERROR(Field(opt, "weight_decay", &w.optimizer.weight_decay));
   if (Status st = ValidateOptimizer(w.optimizer); !st.ok()) {
     return Error(StatusCode::kProtocol, "welcome: {}", st.message());
+  }
+  if (j.contains("staleness")) {
+    std::string staleness;
+    DSYNC_RETURN_IF_ERROR(Field(j, "staleness", &staleness));
+    auto policy = StalenessPolicy::Parse(staleness);
+    if (!policy.ok()) return Error(StatusCode::kProtocol, "welcome: {}", policy.status().message());
+    w.staleness = *policy;
   }
   DSYNC_RETURN_IF_ERROR(Field(j, "slice_bytes", &w.slice_bytes));
   DSYNC_RETURN_IF_ERROR(Field(j, "heartbeat_interval_ms", &w.heartbeat_interval_ms));

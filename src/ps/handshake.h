@@ -47,6 +47,7 @@ struct Welcome {
   NodeId id = 0;
   SyncMode sync;
   OptimizerConfig optimizer;
+  StalenessPolicy staleness;           // servers weigh stale gradients by it
   uint64_t slice_bytes = 0;
   uint32_t heartbeat_interval_ms = 0;
   std::vector<ServerAddress> servers;  // workers: every server, by rank

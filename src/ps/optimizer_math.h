@@ -42,6 +42,14 @@ struct OptimizerScalars {
   float decoupled_decay = 1.0f;         // adamw: 1 - lr * weight_decay
 };
 
+// A round's sum with each gradient weighed by its staleness (StalenessPolicy::Weight, worked
+// out on the host once per gradient): the first gradient times its weight, then
+// sum + weight * g in member order. A weight of exactly 1 leaves every term as the plain sum
+// has it (1 * g == g, and sum + 1 * g rounds like sum + g, fused or not), so fresh gradients
+// are summed bit for bit as without weights.
+DSYNC_HD float WeighFirst(float g, float weight) { return weight * g; }
+DSYNC_HD float AddWeighed(float sum, float g, float weight) { return sum + weight * g; }
+
 // The round's gradient as the optimizers see it: the mean of the members' gradients.
 DSYNC_HD float RoundMean(float sum, const OptimizerScalars& s) { return sum / s.count; }
 

@@ -22,6 +22,13 @@ inline SliceKey MakeSliceKey(uint32_t tensor, uint32_t slice) {
   return (static_cast<uint64_t>(tensor) << 32) | slice;
 }
 
+// `weights` of ApplyRound must be empty or hold one weight per gradient.
+inline Status CheckRoundWeights(size_t gradients, size_t weights) {
+  if (weights == 0 || weights == gradients) return Status::Ok();
+  return Error(StatusCode::kInvalidArgument, "a round of {} gradient(s) came with {} weight(s)",
+               gradients, weights);
+}
+
 class ParamStore {
  public:
   virtual ~ParamStore() = default;
@@ -46,11 +53,18 @@ class ParamStore {
   virtual uint64_t SliceElements(SliceKey key) const = 0;  // 0 when absent
 
   // Applies one round to a slice: the gradients are summed in the order given (the
-  // worker-id order that makes rounds deterministic), then the optimizer updates the
-  // parameters with that sum (`sum`) or with the mean over grads.size() (the others).
-  // No gradients: nothing changes.
+  // worker-id order that makes rounds deterministic), each times its weight when `weights`
+  // is not empty (one per gradient: the staleness policy's; ps/optimizer_math.h WeighFirst,
+  // AddWeighed), then the optimizer updates the parameters with that sum (`sum`) or with the
+  // sum divided by grads.size() (the others). No gradients: nothing changes.
   virtual Status ApplyRound(SliceKey key, std::span<const float* const> grads,
+                            std::span<const float> weights,
                             const OptimizerConfig& optimizer) = 0;
+  // Every gradient weighing 1.
+  Status ApplyRound(SliceKey key, std::span<const float* const> grads,
+                    const OptimizerConfig& optimizer) {
+    return ApplyRound(key, grads, {}, optimizer);
+  }
 
   // Copies the slice's parameters into `out` (SliceElements(key) floats of host memory, or of
   // AllocateDevice memory).

@@ -84,9 +84,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    cfg_.rendezvous);
     }
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
-    spdlog::info("scheduler listening on {}:{} (sync {}, {} server(s), {} initial worker(s))",
-                 listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(), cfg_.num_servers,
-                 cfg_.num_workers);
+    spdlog::info("scheduler listening on {}:{} (sync {}, staleness policy {}, {} server(s), {} "
+                 "initial worker(s))",
+                 listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(),
+                 cfg_.staleness.ToString(), cfg_.num_servers, cfg_.num_workers);
     return Status::Ok();
   }
 
@@ -290,6 +291,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.id = id;
     w.sync = cfg_.sync;
     w.optimizer = cfg_.optimizer;
+    w.staleness = cfg_.staleness;
     w.slice_bytes = cfg_.slice_bytes;
     w.heartbeat_interval_ms = cfg_.heartbeat_interval_ms;
     w.num_servers = cfg_.num_servers;

@@ -84,11 +84,12 @@ class ServerNode final : public Server, public TransportHandler {
     if (!result_.ok()) return result_;
     apply_thread_ = std::thread([this] { ApplyLoop(); });
     heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
-    spdlog::info("server {} listening on {}:{}{} (optimizer {}, lr {})", id_.load(),
-                 listen_host, port_,
+    spdlog::info("server {} listening on {}:{}{} (optimizer {}, lr {}, staleness policy {})",
+                 id_.load(), listen_host, port_,
                  advertised_ == listen_host ? std::string()
                                             : fmt::format(", reached at {}:{}", advertised_, port_),
-                 OptimizerName(job_.optimizer.kind), job_.optimizer.lr);
+                 OptimizerName(job_.optimizer.kind), job_.optimizer.lr,
+                 job_.staleness.ToString());
     return Status::Ok();
   }
 
@@ -701,9 +702,16 @@ class ServerNode final : public Server, public TransportHandler {
     }
   }
 
+  // What applying a round needs besides the round, reused from round to round.
+  struct RoundScratch {
+    std::vector<const float*> grads;  // one slice's gradients, in member order
+    std::vector<float> weights;       // their weights (empty: all 1)
+    std::vector<float> member_weights;
+    std::vector<size_t> used;         // staged entries the round consumed
+  };
+
   void ApplyLoop() {
-    std::vector<const float*> grads;
-    std::vector<size_t> used;
+    RoundScratch scratch;
     while (true) {
       PendingRound r;
       {
@@ -714,7 +722,7 @@ class ServerNode final : public Server, public TransportHandler {
         rounds_.pop_front();
       }
       Status st = r.round == stats_.rounds_applied
-                      ? ApplyRound(r, grads, used)
+                      ? ApplyRound(r, scratch)
                       : Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
                               r.round, stats_.rounds_applied.load());
       if (!st.ok()) {
@@ -760,9 +768,26 @@ class ServerNode final : public Server, public TransportHandler {
     return Status::Ok();
   }
 
-  Status ApplyRound(const PendingRound& r, std::vector<const float*>& grads,
-                    std::vector<size_t>& used) {
+  // The staleness policy's weight of each member's gradient; empty when every one weighs 1
+  // (then the stores sum as they always have).
+  void MemberWeights(const PendingRound& r, std::vector<float>& member_weights) const {
+    member_weights.clear();
+    bool all_one = true;
+    for (const RoundEntry& e : r.members) {
+      const uint64_t staleness = r.round > e.member.base ? r.round - e.member.base : 0;
+      member_weights.push_back(job_.staleness.Weight(staleness));
+      all_one = all_one && member_weights.back() == 1.0f;
+    }
+    if (all_one) member_weights.clear();
+  }
+
+  Status ApplyRound(const PendingRound& r, RoundScratch& scratch) {
     DSYNC_RETURN_IF_ERROR(CheckRoundStaged(r));
+    std::vector<const float*>& grads = scratch.grads;
+    std::vector<float>& weights = scratch.weights;
+    std::vector<size_t>& used = scratch.used;
+    const std::vector<float>& member_weights = scratch.member_weights;
+    MemberWeights(r, scratch.member_weights);
     // Payload: the round's number, shown on the timeline (0 is shown as no payload).
     trace::Scoped range(trace::Range::kServerRound, r.round);
     std::shared_lock lock(slices_mu_);
@@ -770,13 +795,18 @@ class ServerNode final : public Server, public TransportHandler {
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);
       grads.clear();
+      weights.clear();
       used.clear();
-      for (const RoundEntry& e : r.members) {  // worker-id order: deterministic sums
+      for (size_t m = 0; m < r.members.size(); ++m) {  // worker-id order: deterministic sums
+        const RoundEntry& e = r.members[m];
         const bool applies = Contains(e.tensors, s->tensor);
         for (size_t i = 0; i < s->staged.size(); ++i) {
           if (s->staged[i].worker == e.member.worker && s->staged[i].clock == e.member.clock) {
             // Staged for a tensor the commit did not name: pushed, never committed; dropped.
-            if (applies) grads.push_back(s->staged[i].data);
+            if (applies) {
+              grads.push_back(s->staged[i].data);
+              if (!member_weights.empty()) weights.push_back(member_weights[m]);
+            }
             strays += applies ? 0 : 1;
             used.push_back(i);
             break;
@@ -785,7 +815,7 @@ class ServerNode final : public Server, public TransportHandler {
       }
       OptimizerConfig opt = s->optimizer;
       if (r.lr) opt.lr = *r.lr;
-      Status st = store_->ApplyRound(s->key, grads, opt);
+      Status st = store_->ApplyRound(s->key, grads, weights, opt);
       if (!st.ok()) {
         spdlog::error("server {}: applying round {}: {}", id_.load(), r.round, st.message());
       }

@@ -73,6 +73,12 @@ Status SetSync(Config& c, std::string_view v) {
 }
 std::string GetSync(const Config& c) { return c.sync.ToString(); }
 
+Status SetStaleness(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(c.staleness, StalenessPolicy::Parse(v));
+  return Status::Ok();
+}
+std::string GetStaleness(const Config& c) { return c.staleness.ToString(); }
+
 Status SetOptimizer(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(c.optimizer.kind, ParseOptimizer(v));
   return Status::Ok();
@@ -198,6 +204,9 @@ constexpr Setting kSettings[] = {
   {"DSYNC_SYNC", {}, "--sync",
    "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp", S::kJob, true, false,
    SetSync, GetSync},
+  {"DSYNC_STALENESS_POLICY", {}, "--staleness-policy",
+   "servers weigh a gradient s rounds stale: none | inverse (1/(1+s)) | exp:C (C^s, 0<C<=1)",
+   S::kJob, true, false, SetStaleness, GetStaleness},
   {"DSYNC_OPTIMIZER", {}, "--optimizer",
    "sgd | momentum | adam | adamw | sum (torch.optim's formulas; sum: w += the gradients)",
    S::kJob, true, false,
