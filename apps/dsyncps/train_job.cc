@@ -412,6 +412,7 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   train::RunMetrics m;
   m.label = spec.label.empty() ? spec.job.sync.ToString() : spec.label;
   m.sync = spec.job.sync.ToString();
+  m.staleness = spec.job.staleness.ToString();
   m.scenario = spec.scenario.Describe();
   m.workers = spec.workers;
   m.servers = spec.servers;
@@ -483,9 +484,10 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
     }
   };
 
-  std::printf("dsyncps train: %u worker(s), %u server(s), sync %s, %s %s lr %g, %.3g epochs "
+  std::printf("dsyncps train: %u worker(s), %u server(s), sync %s%s, %s %s lr %g, %.3g epochs "
               "(%llu gradients of %u samples); scenario: %s%s\n",
               spec.workers, spec.servers, m.sync.c_str(),
+              m.staleness == "none" ? "" : (" (staleness policy " + m.staleness + ")").c_str(),
               std::string(OptimizerName(spec.job.optimizer.kind)).c_str(),
               spec.job.optimizer.kind == OptimizerKind::kMomentum
                   ? fmt::format("{}", spec.job.optimizer.momentum).c_str()

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -22,6 +23,7 @@ json Optional(const std::optional<Version>& v) { return v ? json(*v) : json(null
 json Summary(const RunMetrics& m) {
   return {{"label", m.label},
           {"sync", m.sync},
+          {"staleness", m.staleness},
           {"scenario", m.scenario},
           {"workers", m.workers},
           {"servers", m.servers},
@@ -130,6 +132,8 @@ Result<RunMetrics> ReadSummaryJson(const std::string& path) {
   };
   m.label = text("label");
   m.sync = text("sync");
+  m.staleness = text("staleness");
+  if (m.staleness.empty()) m.staleness = "none";  // written before the policy existed
   m.scenario = text("scenario");
   m.workers = static_cast<uint32_t>(num(j, "workers", 0));
   m.servers = static_cast<uint32_t>(num(j, "servers", 0));
@@ -170,13 +174,16 @@ std::string CompareTable(const std::vector<RunMetrics>& runs) {
     if (!a || !b || !(b->*field) || *(b->*field) <= 0) return std::string("-");
     return fmt::format("{:.2f}", *a / *(b->*field));
   };
+  // The mode column fits the longest label ("dsync:auto/exp:0.5").
+  size_t width = 14;
+  for (const RunMetrics& m : runs) width = std::max(width, m.label.size());
   std::string out = fmt::format(
-      "{:<14} {:>8} {:>7} {:>9} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}\n", "mode", "time_s",
-      "rounds", "final_acc", "reach_s", "stays_s", "reach/bsp", "stays/bsp", "reach_rnd",
-      "stays_rnd");
+      "{:<{}} {:>8} {:>7} {:>9} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}\n", "mode", width,
+      "time_s", "rounds", "final_acc", "reach_s", "stays_s", "reach/bsp", "stays/bsp",
+      "reach_rnd", "stays_rnd");
   for (const RunMetrics& m : runs) {
-    out += fmt::format("{:<14} {:>8.1f} {:>7} {:>9.4f} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}{}\n",
-                       m.label, m.seconds, m.final_version, m.final_accuracy,
+    out += fmt::format("{:<{}} {:>8.1f} {:>7} {:>9.4f} {:>8} {:>8} {:>9} {:>10} {:>10} {:>10}{}\n",
+                       m.label, width, m.seconds, m.final_version, m.final_accuracy,
                        Seconds(m.first_reach_s), Seconds(m.stays_from_s),
                        ratio(m.first_reach_s, bsp, &RunMetrics::first_reach_s),
                        ratio(m.stays_from_s, bsp, &RunMetrics::stays_from_s),

@@ -25,6 +25,7 @@ struct CurvePoint {
 struct RunMetrics {
   std::string label;       // e.g. the sync mode
   std::string sync;
+  std::string staleness;   // the servers' staleness policy ("none" unless set)
   std::string scenario;    // human-readable
   uint32_t workers = 0;
   uint32_t servers = 0;
