@@ -193,41 +193,34 @@ std::string GuardsIntact(const char* what, Guarded& a) {
   return {};
 }
 
+// Calls f.template operator()<U>() for the update U that `u` names: the one switch from the
+// runtime value to the template argument, for the emulation and the path check alike.
+template <class F>
+auto WithUpdate(Update u, F&& f) {
+  switch (u) {
+    case Update::kSum: return f.template operator()<Update::kSum>();
+    case Update::kSgd: return f.template operator()<Update::kSgd>();
+    case Update::kMomentum: return f.template operator()<Update::kMomentum>();
+    case Update::kAdam: return f.template operator()<Update::kAdam>();
+    case Update::kAdamW: break;
+  }
+  return f.template operator()<Update::kAdamW>();
+}
+
 // Runs every thread of a `threads`-thread grid, one after another.
 void EmulateGrid(Update u, uint64_t threads, float* w, float* s0, float* s1, const float* g,
                  const float* weights, uint32_t k, uint64_t stride, uint64_t n,
                  const ps::OptimizerScalars& sc) {
-  for (uint64_t t = 0; t < threads; ++t) {
-    switch (u) {
-      case Update::kSum:
-        ApplyThread<Update::kSum>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
-        break;
-      case Update::kSgd:
-        ApplyThread<Update::kSgd>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
-        break;
-      case Update::kMomentum:
-        ApplyThread<Update::kMomentum>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
-        break;
-      case Update::kAdam:
-        ApplyThread<Update::kAdam>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
-        break;
-      case Update::kAdamW:
-        ApplyThread<Update::kAdamW>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
-        break;
+  WithUpdate(u, [&]<Update U>() {
+    for (uint64_t t = 0; t < threads; ++t) {
+      ApplyThread<U>(t, threads, w, s0, s1, g, weights, k, stride, n, sc);
     }
-  }
+  });
 }
 
 bool UsesVec4Of(Update u, const float* w, const float* s0, const float* s1, const float* g,
                 uint32_t k, uint64_t stride) {
-  switch (u) {
-    case Update::kSum: return UsesVec4<Update::kSum>(w, s0, s1, g, k, stride);
-    case Update::kSgd: return UsesVec4<Update::kSgd>(w, s0, s1, g, k, stride);
-    case Update::kMomentum: return UsesVec4<Update::kMomentum>(w, s0, s1, g, k, stride);
-    case Update::kAdam: return UsesVec4<Update::kAdam>(w, s0, s1, g, k, stride);
-    case Update::kAdamW: return UsesVec4<Update::kAdamW>(w, s0, s1, g, k, stride);
-  }
-  return false;
+  return WithUpdate(u, [&]<Update U>() { return UsesVec4<U>(w, s0, s1, g, k, stride); });
 }
 
 class ApplyThreadEmulation : public ::testing::TestWithParam<Update> {};

@@ -225,7 +225,7 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
     bool first = true;
     for (const RoundMember& m : r.members) {
       if (m.worker == probe_id && m.clock >= first_empty) continue;
-      const float weight = policy.Weight(r.round > m.base ? r.round - m.base : 0);
+      const float weight = policy.Weight(Staleness(r.round, m.base));
       discounted += weight < 1.0f ? 1 : 0;
       sum = first ? ps::WeighFirst(1.0f, weight) : ps::AddWeighed(sum, 1.0f, weight);
       first = false;

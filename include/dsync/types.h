@@ -42,6 +42,11 @@ struct RoundMember {
   bool operator==(const RoundMember&) const = default;
 };
 
+// How many rounds a gradient computed on `base` and applied in `round` is behind
+// (docs/contract.md, "The delay bound D and staleness"); an empty commit, whose base is its
+// round, has none.
+inline uint64_t Staleness(Round round, Version base) { return round > base ? round - base : 0; }
+
 // What the scheduler decided for one round (docs/contract.md), kept for audits and tests.
 struct RoundRecord {
   Round round = 0;

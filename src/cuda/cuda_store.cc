@@ -142,12 +142,13 @@ class CudaStore final : public ps::ParamStore {
                       std::span<const float> weights, const OptimizerConfig& opt) {
     // Padded so that every gradient slot keeps the kernel's 16-byte loads aligned.
     const uint64_t stride = GradientStride(s->n);
+    // Where the weights, if any, go in the scratch: behind the gradients.
+    const uint64_t weights_at = stride * grads.size();
     {
       // Enqueue only; nsys projects the range onto the stream that runs the copies.
       trace::Scoped range(trace::Range::kStoreAggregate);
-      // The scratch only grows: in steady state a round allocates nothing. The weights, if
-      // any, follow the gradients.
-      const uint64_t need = stride * grads.size() + weights.size();
+      // The scratch only grows: in steady state a round allocates nothing.
+      const uint64_t need = weights_at + weights.size();
       if (need > lane->scratch_floats) {
         lane->scratch.reset();  // free first: the old and new areas need not coexist
         lane->scratch_floats = 0;
@@ -161,7 +162,7 @@ class CudaStore final : public ps::ParamStore {
                           "copying a gradient to the device");
       }
       if (!weights.empty()) {
-        DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + stride * grads.size(),
+        DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + weights_at,
                                           weights.data(), weights.size_bytes(),
                                           cudaMemcpyHostToDevice, lane->stream),
                           "copying the gradients' weights to the device");
@@ -172,8 +173,7 @@ class CudaStore final : public ps::ParamStore {
         ps::MakeOptimizerScalars(opt, s->steps + 1, static_cast<uint32_t>(grads.size()));
     DSYNC_CUDA_RETURN(LaunchApplyRound(UpdateOf(opt.kind), s->params.get(), s->state[0].get(),
                                        s->state[1].get(), lane->scratch.get(),
-                                       weights.empty() ? nullptr
-                                                       : lane->scratch.get() + stride * grads.size(),
+                                       weights.empty() ? nullptr : lane->scratch.get() + weights_at,
                                        static_cast<uint32_t>(grads.size()), stride, s->n, sc,
                                        lane->stream),
                       "launching the update kernel");

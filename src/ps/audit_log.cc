@@ -26,7 +26,7 @@ void AuditLog::Round(const RoundRecord& rec) {
   for (size_t i = 0; i < rec.members.size(); ++i) {
     const RoundMember& m = rec.members[i];
     fmt::format_to(std::back_inserter(line), "{}[{},{},{},{}]", i ? "," : "", m.worker, m.clock,
-                   m.base, rec.round > m.base ? rec.round - m.base : 0);
+                   m.base, Staleness(rec.round, m.base));
   }
   fmt::format_to(std::back_inserter(line), "]}}\n");
   Write(line);

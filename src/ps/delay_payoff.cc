@@ -47,8 +47,7 @@ void DelayPayoff::RoundClosed(double now, const RoundRecord& round) {
   }
   double progress = 0;
   for (const RoundMember& m : round.members) {
-    const uint64_t staleness = round.round > m.base ? round.round - m.base : 0;
-    progress += 1.0 / (1.0 + static_cast<double>(staleness));
+    progress += 1.0 / (1.0 + static_cast<double>(Staleness(round.round, m.base)));
   }
   // Delaying, the window keeps sliding after the trial: a delay kept is still checked.
   std::deque<Sample>* into = delaying_ ? &trial_ : &bsp_;

@@ -769,13 +769,13 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   // The staleness policy's weight of each member's gradient; empty when every one weighs 1
-  // (then the stores sum as they always have).
+  // (then the stores sum as they always have), as under `none` always.
   void MemberWeights(const PendingRound& r, std::vector<float>& member_weights) const {
     member_weights.clear();
+    if (job_.staleness.kind == StalenessKind::kNone) return;
     bool all_one = true;
     for (const RoundEntry& e : r.members) {
-      const uint64_t staleness = r.round > e.member.base ? r.round - e.member.base : 0;
-      member_weights.push_back(job_.staleness.Weight(staleness));
+      member_weights.push_back(job_.staleness.Weight(Staleness(r.round, e.member.base)));
       all_one = all_one && member_weights.back() == 1.0f;
     }
     if (all_one) member_weights.clear();
