@@ -24,6 +24,8 @@ packages=(
   # the Python package (python/): Debian's own python3 with PyTorch, pybind11, DLPack, pytest
   python3-dev pybind11-dev libdlpack-dev python3-numpy python3-pytest python3-torch
   python3-torchvision
+  # bench/python/overhead.py's whole-step C++ baseline (bench/python/torch_step_worker.cc)
+  libtorch-dev
 )
 
 missing=()

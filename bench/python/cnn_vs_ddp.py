@@ -7,7 +7,11 @@ and the ratios to DDP. Prints a table and a RESULT {json} line; the runs' folder
 (`dsyncps compare --runs` plots any of them).
 
     bench/python/cnn_vs_ddp.py BUILD_DIR [--runs 3] [--epochs 4] [--workers 4] [--out DIR]
-                               [--eval-interval S]
+                               [--eval-interval S] [--modes ddp,bsp,dsync:auto/inverse]
+                               [--scenarios balanced,straggler]
+
+A dsyncps mode may name a staleness policy after a slash (MODE/POLICY, as `dsyncps compare`
+takes it): dsync:auto/inverse runs `--sync dsync:auto --staleness-policy inverse`.
 
 Most of a run's wall time beyond training is rank 0 evaluating its model copies (one per
 --eval-interval seconds, each on the 10000 test images) after training: a longer interval
@@ -30,17 +34,27 @@ p.add_argument("--target", type=float, default=0.90)
 p.add_argument("--out", default="cnn-vs-ddp")
 p.add_argument("--eval-interval", type=float, default=1.0,
                help="seconds between the model copies rank 0 evaluates (the example's default: 1)")
+p.add_argument("--modes", default="ddp,bsp,dsync:auto",
+               help="ddp and dsyncps modes, MODE or MODE/POLICY; ddp is the baseline, always run")
+p.add_argument("--scenarios", default="balanced,straggler")
 a = p.parse_args()
 here = os.path.dirname(os.path.abspath(__file__))
 example = os.path.join(here, "..", "..", "examples", "pytorch", "fmnist_cnn.py")
 dsyncps = os.path.join(a.build, "apps", "dsyncps", "dsyncps")
 env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
-scenarios = {"balanced": [], "straggler": ["--slow-rank", str(a.workers - 1), "--slow-factor", "3"]}
-modes = ["ddp", "bsp", "dsync:auto"]
+all_scenarios = {"balanced": [],
+                 "straggler": ["--slow-rank", str(a.workers - 1), "--slow-factor", "3"]}
+scenarios = {}
+for sc in a.scenarios.split(","):
+    if sc not in all_scenarios:
+        p.error("unknown scenario '%s' (known: %s)" % (sc, ", ".join(all_scenarios)))
+    scenarios[sc] = all_scenarios[sc]
+modes = ["ddp"] + [m for m in a.modes.split(",") if m and m != "ddp"]
 
 
 def run(mode, scenario, rep):
-    folder = os.path.join(a.out, "%s-%s-%d" % (scenario, mode.replace(":", "_"), rep))
+    folder = os.path.join(a.out, "%s-%s-%d" % (scenario, mode.replace(":", "_").replace("/", "-"),
+                                                rep))
     args = ["--epochs", str(a.epochs), "--target", str(a.target), "--out", folder, "--label",
             mode, "--eval-interval", str(a.eval_interval)] + scenarios[scenario]
     if mode == "ddp":
@@ -49,9 +63,15 @@ def run(mode, scenario, rep):
         # The job's budget is the gradients of the epochs (DDP's total): every worker trains
         # until it is spent, so fast workers take on what a straggler leaves.
         budget = int(a.epochs * 60000 / (64 * a.workers)) * a.workers
+        sync, _, policy = mode.partition("/")
         cmd = [dsyncps, "launch", "--workers", str(a.workers), "--servers", str(a.servers),
-               "--sync", mode, "--max-gradients", str(budget), "--timeout", "1500", "--",
-               sys.executable, example] + args
+               "--sync", sync, "--max-gradients", str(budget), "--timeout", "1500",
+               # Rank 0 evaluates its copies after training, minutes for a long job: the
+               # launcher's default 300 s after the scheduler's end would kill it.
+               "--exit-grace", "1200"]
+        if policy:
+            cmd += ["--staleness-policy", policy]
+        cmd += ["--", sys.executable, example] + args
     out = subprocess.run(cmd, env=env, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, timeout=1600).stdout
     path = os.path.join(folder, "summary.json")
@@ -59,7 +79,7 @@ def run(mode, scenario, rep):
         raise SystemExit("%s wrote no summary:\n%s" % (" ".join(cmd), out[-3000:]))
     with open(path) as f:
         s = json.load(f)
-    print("  %-9s %-10s rep %d: reach %s s, stays %s s, final %.4f, %.1f s" % (
+    print("  %-9s %-18s rep %d: reach %s s, stays %s s, final %.4f, %.1f s" % (
         scenario, mode, rep, fmt(s["first_reach_s"]), fmt(s["stays_from_s"]),
         s["final_accuracy"], s["seconds"]), flush=True)
     return s
@@ -82,7 +102,8 @@ for rep in range(a.runs):
 
 print("\n%d workers, %g epochs, target %.0f %%, medians of %d runs" % (
     a.workers, a.epochs, 100 * a.target, a.runs))
-print("%-10s %-11s %8s %8s %9s %8s %10s %10s" % ("scenario", "mode", "reach_s", "stays_s",
+width = max(11, max(len(m) for m in modes))
+print("%-10s %-*s %8s %8s %9s %8s %10s %10s" % ("scenario", width, "mode", "reach_s", "stays_s",
                                                   "final_acc", "time_s", "stays/ddp", "time/ddp"))
 summary = {}
 for sc in scenarios:
@@ -96,9 +117,9 @@ for sc in scenarios:
         bstays = med([r["stays_from_s"] for r in base])
         bsecs = statistics.median(r["seconds"] for r in base)
         ratio = stays / bstays if stays and bstays else None
-        print("%-10s %-11s %8s %8s %9.4f %8.1f %10s %10.2f" % (
-            sc, m, fmt(reach), fmt(stays), final, secs, "-" if ratio is None else "%.2f" % ratio,
-            secs / bsecs))
+        print("%-10s %-*s %8s %8s %9.4f %8.1f %10s %10.2f" % (
+            sc, width, m, fmt(reach), fmt(stays), final, secs,
+            "-" if ratio is None else "%.2f" % ratio, secs / bsecs))
         summary["%s/%s" % (sc, m)] = {"reach_s": reach, "stays_s": stays, "final_acc": final,
                                       "seconds": secs, "stays_vs_ddp": ratio}
 print("RESULT " + json.dumps({"bench": "cnn_vs_ddp", "workers": a.workers, "epochs": a.epochs,

@@ -1,15 +1,22 @@
 #!/usr/bin/python3
 """The cost of the Python layer: one worker pushing and pulling the same tensors (1 M
-parameters by default) every iteration, through the C++ API, the Python core and
-dsyncps.torch, each a job of its own (1 server, TCP, bsp), runs interleaved, medians.
+parameters by default) every iteration, each a job of its own (1 server, TCP, bsp), runs
+interleaved, medians.
 
-    bench/python/overhead.py BUILD_DIR [--runs 5] [--steps 60] [--sizes 600000,...]
+    bench/python/overhead.py BUILD_DIR [--runs 5] [--steps 400] [--sizes 600000,...]
 
-dsyncps.torch's figure has its zero_grad and backward pass taken out (timed alone in the same process),
-so the three columns compare the same transfers. Wall time per step, and the worker process's
-CPU time per step (every thread: the transfers' too): on a machine whose cores the worker, the
-server and autograd share, the wall figure carries their contention and the CPU figure is
-what the layer itself costs. Prints a table and a RESULT {json} line.
+Two comparisons:
+- transfers: the C++ worker (step_worker.cc), the Python core (NumPy) and dsyncps.torch with
+  its zero_grad and backward pass taken out (timed alone in the same process);
+- whole steps, the same backward pass on both sides: dsyncps.torch (hooks and step())
+  against a C++ worker that runs the backward pass through libtorch and then pushes
+  (torch_step_worker.cc; built where Debian's libtorch-dev is). Taking the backward pass out
+  of a step measured with the transfers is not exact: on a machine whose cores the worker,
+  the server and autograd share, the transfers slow the backward pass down (contention, the
+  cache), and this comparison carries that alike on both sides.
+Wall time per step, the worker process's CPU time per step (every thread), and its minor page
+faults per step (first touches, slow on VMs: glibc's heap trimming can cause them in a
+Python process). Prints tables and a RESULT {json} line.
 """
 import argparse
 import json
@@ -21,12 +28,13 @@ import sys
 p = argparse.ArgumentParser()
 p.add_argument("build")
 p.add_argument("--runs", type=int, default=5)
-p.add_argument("--steps", type=int, default=60)
+p.add_argument("--steps", type=int, default=400)
 p.add_argument("--sizes", default="600000,300000,99000,1000")
 a = p.parse_args()
 here = os.path.dirname(os.path.abspath(__file__))
 dsyncps = os.path.join(a.build, "apps", "dsyncps", "dsyncps")
 cpp = os.path.join(a.build, "bench", "step_worker")
+libtorch = os.path.join(a.build, "bench", "torch_step_worker")
 env = dict(os.environ, PYTHONPATH=os.path.join(a.build, "python"))
 
 
@@ -40,36 +48,81 @@ def job(program):
     raise SystemExit("no result from %s:\n%s" % (program, out[-3000:]))
 
 
-results = {"cpp": [], "core": [], "torch": []}
-cpu = {"cpp": [], "core": [], "torch": []}
-backward = []
+py_worker = [sys.executable, os.path.join(here, "step_worker.py"), "--steps", str(a.steps),
+             "--sizes", a.sizes, "--mode"]
+programs = [("cpp", [cpp, str(a.steps), a.sizes]), ("core", py_worker + ["core"]),
+            ("torch", py_worker + ["torch"])]
+if os.path.exists(libtorch):
+    programs.append(("libtorch", [libtorch, str(a.steps), a.sizes]))
+else:
+    print("no %s (install libtorch-dev and rebuild): whole steps are not compared" % libtorch)
+runs = {k: [] for k, _ in programs}
 for r in range(a.runs):  # interleaved: the machine's drift hits each alike
-    for mode, program in (("cpp", [cpp, str(a.steps), a.sizes]),
-                          ("core", [sys.executable, os.path.join(here, "step_worker.py"), "--mode",
-                                    "core", "--steps", str(a.steps), "--sizes", a.sizes]),
-                          ("torch", [sys.executable, os.path.join(here, "step_worker.py"),
-                                     "--mode", "torch", "--steps", str(a.steps), "--sizes",
-                                     a.sizes])):
-        t = job(program)
-        results[mode].append(t["ms_per_step"] - t.get("backward_ms", 0))
-        cpu[mode].append(t["cpu_ms_per_step"] - t.get("backward_cpu_ms", 0))
-        if mode == "torch":
-            backward.append(t["backward_ms"])
-med = {k: statistics.median(v) for k, v in results.items()}
-cmed = {k: statistics.median(v) for k, v in cpu.items()}
+    for mode, program in programs:
+        runs[mode].append(job(program))
+
+
+def med(mode, f):
+    return statistics.median(f(t) for t in runs[mode])
+
+
+def step(t):
+    return t["ms_per_step"]
+
+
+def step_cpu(t):
+    return t["cpu_ms_per_step"]
+
+
+def beyond_backward(t):
+    return t["ms_per_step"] - t.get("backward_ms", 0)
+
+
+def beyond_backward_cpu(t):
+    return t["cpu_ms_per_step"] - t.get("backward_cpu_ms", 0)
+
+
+def faults(t):
+    return t.get("faults_per_step", float("nan"))
+
+
 params = sum(int(s) for s in a.sizes.split(","))
-print("%-8s %10s %8s %10s %8s   (%d parameters, %d runs, medians per iteration)" % (
-    "layer", "wall ms", "vs C++", "CPU ms", "vs C++", params, a.runs))
+result = {"bench": "python_overhead", "parameters": params, "runs": a.runs, "steps": a.steps}
+print("Transfers (%d parameters, %d runs, medians per iteration; dsyncps.torch without its "
+      "backward pass)" % (params, a.runs))
+print("%-9s %9s %7s %9s %7s %8s   wall runs" % ("layer", "wall ms", "/ C++", "CPU ms", "/ C++",
+                                                  "faults"))
+base, base_cpu = med("cpp", beyond_backward), med("cpp", beyond_backward_cpu)
 for k in ("cpp", "core", "torch"):
-    print("%-8s %10.3f %8.3f %10.3f %8.3f   wall runs: %s" % (
-        k, med[k], med[k] / med["cpp"], cmed[k], cmed[k] / cmed["cpp"],
-        " ".join("%.2f" % x for x in results[k])))
-print("torch: zero_grad + backward alone %.3f ms (taken out)" % statistics.median(backward))
-print("RESULT " + json.dumps({"bench": "python_overhead", "parameters": params,
-                              "cpp_ms": med["cpp"], "core_ms": med["core"],
-                              "torch_ms": med["torch"], "core_ratio": med["core"] / med["cpp"],
-                              "torch_ratio": med["torch"] / med["cpp"],
-                              "cpp_cpu_ms": cmed["cpp"], "core_cpu_ms": cmed["core"],
-                              "torch_cpu_ms": cmed["torch"],
-                              "core_cpu_ratio": cmed["core"] / cmed["cpp"],
-                              "torch_cpu_ratio": cmed["torch"] / cmed["cpp"]}))
+    wall, cpu = med(k, beyond_backward), med(k, beyond_backward_cpu)
+    print("%-9s %9.3f %7.3f %9.3f %7.3f %8.1f   %s" % (
+        k, wall, wall / base, cpu, cpu / base_cpu, med(k, faults),
+        " ".join("%.2f" % beyond_backward(t) for t in runs[k])))
+    result.update({k + "_ms": wall, k + "_cpu_ms": cpu, k + "_ratio": wall / base,
+                   k + "_cpu_ratio": cpu / base_cpu, k + "_faults": med(k, faults)})
+print("torch: zero_grad + backward alone %.3f ms (taken out)" %
+      med("torch", lambda t: t["backward_ms"]))
+if "libtorch" in runs:
+    print("\nWhole steps, the same backward pass (libtorch's) on both sides")
+    print("%-9s %9s %7s %9s %7s %10s %8s   wall runs" % (
+        "worker", "step ms", "/ C++", "CPU ms", "/ C++", "backward", "faults"))
+    lt, lt_cpu = med("libtorch", step), med("libtorch", step_cpu)
+    for k, label in (("libtorch", "C++"), ("torch", "Python")):
+        wall, cpu = med(k, step), med(k, step_cpu)
+        print("%-9s %9.3f %7.3f %9.3f %7.3f %10.3f %8.1f   %s" % (
+            label, wall, wall / lt, cpu, cpu / lt_cpu, med(k, lambda t: t["backward_ms"]),
+            med(k, faults), " ".join("%.2f" % step(t) for t in runs[k])))
+    # What the layer adds beyond the backward pass, against what the C++ worker adds beyond
+    # the same backward pass: each side's own backward taken out (Python's autograd front
+    # end is slower than libtorch's with or without dsyncps).
+    added = med("torch", beyond_backward) - med("libtorch", beyond_backward)
+    print("dsyncps.torch adds %.3f ms per step beyond the C++ worker's transfers "
+          "(%.1f %% of its whole step)" % (added, 100 * added / lt))
+    result.update({"libtorch_step_ms": lt, "torch_step_ms": med("torch", step),
+                   "step_ratio": med("torch", step) / lt,
+                   "step_cpu_ratio": med("torch", step_cpu) / lt_cpu,
+                   "libtorch_backward_ms": med("libtorch", lambda t: t["backward_ms"]),
+                   "torch_backward_ms": med("torch", lambda t: t["backward_ms"]),
+                   "layer_added_ms": added, "layer_added_fraction": added / lt,
+                   "libtorch_faults": med("libtorch", faults)})
+print("RESULT " + json.dumps(result))

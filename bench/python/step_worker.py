@@ -5,6 +5,7 @@ cost can be told from autograd's). Prints one JSON line like step_worker.cc, wal
 (the process's, every thread) per step."""
 import argparse
 import json
+import resource
 import statistics
 import time
 
@@ -20,6 +21,11 @@ a = p.parse_args()
 sizes = [int(s) for s in a.sizes.split(",")]
 
 
+def faults():
+    """Minor page faults of the process so far (first touches; slow on these VMs)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def median_after_warmup(ms):
     warm = min(len(ms) // 5, 10)
     return statistics.median(ms[warm:]), len(ms) - warm
@@ -31,6 +37,7 @@ if a.mode == "core":
     grad = [np.full(n, 1e-3, np.float32) for n in sizes]
     ids = [w.register("t%d" % i, m) for i, m in enumerate(model)]
     ms, cpu = [], []
+    f0 = faults()
     for k in range(a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         reqs = [w.push_pull(t, g, m) for t, g, m in zip(ids, grad, model)]
@@ -40,7 +47,8 @@ if a.mode == "core":
         cpu.append((time.process_time() - c0) * 1e3)
     med, n = median_after_warmup(ms)
     print(json.dumps({"mode": "core", "ms_per_step": med, "steps": n,
-                      "cpu_ms_per_step": median_after_warmup(cpu)[0]}), flush=True)
+                      "cpu_ms_per_step": median_after_warmup(cpu)[0],
+                      "faults_per_step": (faults() - f0) / a.steps}), flush=True)
 else:
     import torch
 
@@ -54,6 +62,7 @@ else:
 
     # zero_grad and autograd alone, the same passes: what any training loop pays without dsyncps
     plain, plain_cpu = [], []
+    f0 = faults()
     for k in range(a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         for p_ in params:  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
@@ -62,9 +71,11 @@ else:
         backward()
         plain.append((time.perf_counter() - t0) * 1e3)
         plain_cpu.append((time.process_time() - c0) * 1e3)
+    plain_faults = (faults() - f0) / a.steps
     dps.init()
     opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd", lr=0.01)
     ms, cpu = [], []
+    f0 = faults()
     for k in range(a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
@@ -76,5 +87,7 @@ else:
     print(json.dumps({"mode": "torch", "ms_per_step": med, "steps": n,
                       "cpu_ms_per_step": median_after_warmup(cpu)[0],
                       "backward_ms": median_after_warmup(plain)[0],
-                      "backward_cpu_ms": median_after_warmup(plain_cpu)[0]}), flush=True)
+                      "backward_cpu_ms": median_after_warmup(plain_cpu)[0],
+                      "faults_per_step": (faults() - f0) / a.steps,
+                      "backward_faults_per_step": plain_faults}), flush=True)
 dsyncps.shutdown()

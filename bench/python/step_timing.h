@@ -1,0 +1,50 @@
+// What bench/python/overhead.py's C++ workers share: the process's CPU clock, the median of
+// a run's iterations after its warm-up, and the SIZES argument.
+#pragma once
+
+#include <algorithm>
+#include <ctime>
+
+#include <sys/resource.h>
+#include <string>
+#include <vector>
+
+namespace step_timing {
+
+inline double CpuMs() {  // this process's CPU time, every thread: the transfers' threads count too
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) / 1e6;
+}
+
+// Minor page faults of the process so far (every thread): first touches of memory, which the
+// heap's trimming and re-growing cause and which are slow on these VMs.
+inline long MinorFaults() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+// The iterations a run times after its warm-up (the first fifth, at most 10).
+inline size_t Kept(size_t n) { return n - std::min<size_t>(n / 5, 10); }
+
+inline double MedianAfterWarmup(const std::vector<double>& v) {
+  std::vector<double> kept(v.end() - static_cast<long>(Kept(v.size())), v.end());
+  std::nth_element(kept.begin(), kept.begin() + static_cast<long>(kept.size() / 2), kept.end());
+  return kept[kept.size() / 2];
+}
+
+// "600000,300000" -> {600000, 300000}; empty on a malformed list.
+inline std::vector<size_t> ParseSizes(std::string s) {
+  std::vector<size_t> sizes;
+  while (!s.empty()) {
+    const size_t comma = s.find(',');
+    const std::string item = s.substr(0, comma);
+    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos) return {};
+    sizes.push_back(std::stoul(item));
+    s = comma == std::string::npos ? "" : s.substr(comma + 1);
+  }
+  return sizes;
+}
+
+}  // namespace step_timing

@@ -1,0 +1,105 @@
+// The C++ baseline of a whole training step for bench/python/overhead.py: the same
+// parameters, the same backward pass through libtorch's autograd (the kernels and the
+// allocator dsyncps.torch's backward runs on) and the same transfers through the C++ worker
+// (PushPull per tensor once backward has returned, then Wait). The backward pass timed alone
+// first, as step_worker.py does, then whole steps. Prints one JSON line like step_worker.py's
+// torch mode: {"mode": "libtorch", "ms_per_step", "cpu_ms_per_step", "backward_ms",
+// "backward_cpu_ms", "steps"}.
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "dsync/config.h"
+#include "dsync/worker.h"
+#include "step_timing.h"
+
+namespace {
+
+struct Timed {
+  std::vector<double> ms, cpu;
+  double faults = 0;  // minor page faults per step
+  template <typename F>
+  bool Run(int steps, F&& step) {
+    const long f0 = step_timing::MinorFaults();
+    for (int k = 0; k < steps; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double c0 = step_timing::CpuMs();
+      if (!step()) return false;
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      cpu.push_back(step_timing::CpuMs() - c0);
+    }
+    faults = static_cast<double>(step_timing::MinorFaults() - f0) / steps;
+    return true;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: torch_step_worker STEPS SIZES(a,b,..)\n");
+    return 2;
+  }
+  const int steps = std::atoi(argv[1]);
+  const std::vector<size_t> sizes = step_timing::ParseSizes(argv[2]);
+  if (steps <= 0 || sizes.empty()) {
+    std::fprintf(stderr, "torch_step_worker: STEPS must be > 0 and SIZES a list like 600000,1000\n");
+    return 2;
+  }
+  torch::set_num_threads(1);  // as step_worker.py: one thread of compute beside the transfers
+  std::vector<torch::Tensor> params, coeff;
+  for (size_t n : sizes) {
+    params.push_back(torch::full({static_cast<int64_t>(n)}, 0.5, torch::requires_grad()));
+    coeff.push_back(torch::full({static_cast<int64_t>(n)}, 1e-3));
+  }
+  auto backward = [&] {  // zero_grad (in place, torch 1.13's default) and the backward pass
+    for (auto& p : params) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    torch::Tensor loss = (params[0] * coeff[0]).sum();
+    for (size_t t = 1; t < params.size(); ++t) loss = loss + (params[t] * coeff[t]).sum();
+    loss.backward();
+    return true;
+  };
+  Timed plain;
+  plain.Run(steps, backward);
+
+  auto config = dsync::Config::FromProcessEnvironment();
+  if (!config.ok()) return std::fprintf(stderr, "%s\n", config.status().message().c_str()), 1;
+  auto started = dsync::Worker::Start(config.value());
+  if (!started.ok()) return std::fprintf(stderr, "%s\n", started.status().message().c_str()), 1;
+  auto w = std::move(started).value();
+  std::vector<dsync::TensorId> ids;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    auto id = w->Register("t" + std::to_string(t),
+                          std::span<const float>(params[t].data_ptr<float>(), sizes[t]));
+    if (!id.ok()) return std::fprintf(stderr, "%s\n", id.status().message().c_str()), 1;
+    ids.push_back(*id);
+  }
+  std::vector<dsync::Handle> handles(sizes.size());
+  dsync::Status failed;
+  Timed whole;
+  const bool ok = whole.Run(steps, [&] {
+    backward();
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      handles[t] = w->PushPull(ids[t], params[t].grad().data_ptr<float>(), params[t].data_ptr<float>());
+    }
+    for (dsync::Handle h : handles) {
+      if (dsync::Status st = w->Wait(h); !st.ok() && failed.ok()) failed = st;
+    }
+    return failed.ok();
+  });
+  if (!ok) return std::fprintf(stderr, "torch_step_worker: %s\n", failed.ToString().c_str()), 1;
+  std::printf("{\"mode\": \"libtorch\", \"ms_per_step\": %.4f, \"cpu_ms_per_step\": %.4f, "
+              "\"backward_ms\": %.4f, \"backward_cpu_ms\": %.4f, \"faults_per_step\": %.1f, "
+              "\"backward_faults_per_step\": %.1f, \"steps\": %zu}\n",
+              step_timing::MedianAfterWarmup(whole.ms), step_timing::MedianAfterWarmup(whole.cpu),
+              step_timing::MedianAfterWarmup(plain.ms), step_timing::MedianAfterWarmup(plain.cpu),
+              whole.faults, plain.faults,
+              step_timing::Kept(whole.ms.size()));
+  return w->Leave().ok() ? 0 : 1;
+}
