@@ -1,9 +1,12 @@
-// What bench/python/overhead.py's C++ workers share: the process's CPU clock, the median of
-// a run's iterations after its warm-up, and the SIZES argument.
+// What bench/python/overhead.py's C++ workers share: the process's CPU clock and page faults,
+// the median of a run's iterations after its warm-up, and their arguments.
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
+#include <optional>
 
 #include <sys/resource.h>
 #include <string>
@@ -45,6 +48,25 @@ inline std::vector<size_t> ParseSizes(std::string s) {
     s = comma == std::string::npos ? "" : s.substr(comma + 1);
   }
   return sizes;
+}
+
+struct Args {
+  int steps = 0;
+  std::vector<size_t> sizes;
+};
+
+// PROGRAM STEPS SIZES: the arguments both workers take; a usage message on stderr if wrong.
+inline std::optional<Args> ParseArgs(int argc, char** argv, const char* program) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s STEPS SIZES(a,b,..)\n", program);
+    return std::nullopt;
+  }
+  Args args{std::atoi(argv[1]), ParseSizes(argv[2])};
+  if (args.steps <= 0 || args.sizes.empty()) {
+    std::fprintf(stderr, "%s: STEPS must be > 0 and SIZES a list like 600000,1000\n", program);
+    return std::nullopt;
+  }
+  return args;
 }
 
 }  // namespace step_timing

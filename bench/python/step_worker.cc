@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,16 +14,10 @@
 #include "step_timing.h"
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: step_worker STEPS SIZES(a,b,..)\n");
-    return 2;
-  }
-  const int steps = std::atoi(argv[1]);
-  const std::vector<size_t> sizes = step_timing::ParseSizes(argv[2]);
-  if (steps <= 0 || sizes.empty()) {
-    std::fprintf(stderr, "step_worker: STEPS must be > 0 and SIZES a list like 600000,1000\n");
-    return 2;
-  }
+  const std::optional<step_timing::Args> args = step_timing::ParseArgs(argc, argv, "step_worker");
+  if (!args) return 2;
+  const int steps = args->steps;
+  const std::vector<size_t>& sizes = args->sizes;
   auto config = dsync::Config::FromProcessEnvironment();
   if (!config.ok()) return std::fprintf(stderr, "%s\n", config.status().message().c_str()), 1;
   auto started = dsync::Worker::Start(config.value());

@@ -9,7 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,16 +40,11 @@ struct Timed {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: torch_step_worker STEPS SIZES(a,b,..)\n");
-    return 2;
-  }
-  const int steps = std::atoi(argv[1]);
-  const std::vector<size_t> sizes = step_timing::ParseSizes(argv[2]);
-  if (steps <= 0 || sizes.empty()) {
-    std::fprintf(stderr, "torch_step_worker: STEPS must be > 0 and SIZES a list like 600000,1000\n");
-    return 2;
-  }
+  const std::optional<step_timing::Args> args =
+      step_timing::ParseArgs(argc, argv, "torch_step_worker");
+  if (!args) return 2;
+  const int steps = args->steps;
+  const std::vector<size_t>& sizes = args->sizes;
   torch::set_num_threads(1);  // as step_worker.py: one thread of compute beside the transfers
   std::vector<torch::Tensor> params, coeff;
   for (size_t n : sizes) {
