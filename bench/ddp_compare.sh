@@ -9,10 +9,10 @@
 #
 # A mode may name a staleness policy after a slash (dsync:auto/inverse). Both sides count
 # seconds from their launch and take model snapshots every 0.5 s that are evaluated after
-# training; both slow the straggler by 2x its pure gradient computation (DDP's measured with
-# no_sync, without the all-reduce) on top of the added --compute-ms. Installs Debian's
-# python3-torch and libopenblas0 if missing (without OpenBLAS torch runs on the reference
-# BLAS, ~15x slower). The runs stay in OUT_DIR/runs.jsonl; the table can be recomputed with
+# training; both slow the straggler alike: its added --compute-ms is 3x as long, and its
+# gradient computation itself is not stretched (dsyncps's trainer does the same). Installs
+# Debian's python3-torch and libopenblas0 if missing (without OpenBLAS torch runs on the
+# reference BLAS, ~15x slower). The runs stay in OUT_DIR/runs.jsonl; the table can be recomputed with
 #   /usr/bin/python3 bench/staleness_table.py --baseline ddp OUT_DIR/runs.jsonl
 set -euo pipefail
 build=${1:-build-rel}

@@ -47,20 +47,6 @@ def weights(model):
     return {k: v.detach().numpy().copy() for k, v in model.module.state_dict().items()}
 
 
-def pure_compute(model, x, y, loss_fn, batch, gen, passes=30):
-    """The median time of this rank's forward and backward pass without communication
-    (DDP's no_sync: nothing all-reduced), what dsyncps's trainer measures as compute."""
-    times = []
-    with model.no_sync():
-        for _ in range(passes):
-            idx = torch.randint(0, x.shape[0], (batch,), generator=gen)
-            start = time.monotonic()
-            loss_fn(model(x[idx]), y[idx]).backward()
-            times.append(time.monotonic() - start)
-    model.zero_grad()
-    return sorted(times)[len(times) // 2]
-
-
 def worker(rank, args, port, out_queue):
     torch.set_num_threads(1)  # N processes share the machine's cores, as dsyncps's workers do
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -75,8 +61,6 @@ def worker(rank, args, port, out_queue):
     budget = int(np.ceil(args.epochs * x.shape[0] / args.batch))
     iters = budget // args.workers
     slow = args.straggler_factor if rank == args.straggler else 1.0
-    # Every rank measures at once, so the measurement shares the cores as training does.
-    pure = pure_compute(model, x, y, loss_fn, args.batch, gen)
     snapshots = []
     next_snap = time.monotonic()
     order, cursor = shard[torch.randperm(len(shard), generator=gen)], 0
@@ -91,11 +75,11 @@ def worker(rank, args, port, out_queue):
         opt.zero_grad()
         loss = loss_fn(model(x[idx]), y[idx])
         loss.backward()  # DDP all-reduces (averages) the gradients here
-        # The same straggler model as dsyncps's: the added compute, and a slow rank's own
-        # gradient computation slow x as long. Its pure compute is measured before training:
-        # timing backward() here would count the all-reduce's wait too, and slow the DDP
-        # straggler by (slow - 1) x its communication as well.
-        extra = args.compute_ms / 1000.0 * slow + (slow - 1.0) * pure
+        # The straggler model of dsyncps's trainer (apps/dsyncps/train.cc): the added
+        # --compute-ms, slow x as long on the slow rank, and nothing else. The gradient's own
+        # computation is not stretched on either side: timed here it would include the
+        # all-reduce's wait, and slow DDP's straggler by its communication as well.
+        extra = args.compute_ms / 1000.0 * slow
         if extra > 0:
             time.sleep(extra)
         opt.step()
