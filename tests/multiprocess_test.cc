@@ -181,10 +181,13 @@ TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
 }
 
 TEST_F(MultiProcess, WorkerJoinsAndAnotherLeavesWhileTrainingRuns) {
+  // 120 iterations of 8 ms outlast the joiner's 600 ms head start even in the plain build,
+  // and 600 ms leave the others time to commit rounds first under TSan on a loaded machine
+  // (250 ms did not: the joiner once found round 0).
   const std::string out = RunLocal(
       {"--servers", "2", "--workers", "4", "--sync", "dsync:2,2", "--optimizer", "sum",
-       "--model", "count", "--iters", "40", "--tensor-elems", "3000", "--slice-bytes", "4096",
-       "--compute-ms", "8", "--join", "3=250", "--worker-flags", "1=--iters 6"});
+       "--model", "count", "--iters", "120", "--tensor-elems", "3000", "--slice-bytes", "4096",
+       "--compute-ms", "8", "--join", "3=600", "--worker-flags", "1=--iters 6"});
   std::smatch m;
   ASSERT_TRUE(std::regex_search(out, m, std::regex("worker 1003 joined from .*counts from round (\\d+)")))
       << "the late worker should join a running job\n" << out;
@@ -192,9 +195,9 @@ TEST_F(MultiProcess, WorkerJoinsAndAnotherLeavesWhileTrainingRuns) {
   EXPECT_NE(out.find("left after 6 gradient(s)"), std::string::npos) << out;
   // The joiner's clocks start where the slowest worker's were: the count is its commits,
   // not its last clock.
-  EXPECT_NE(out.find("worker 1003 left after 40 gradient(s)"), std::string::npos) << out;
+  EXPECT_NE(out.find("worker 1003 left after 120 gradient(s)"), std::string::npos) << out;
   const uint64_t total = Completed(out);
-  EXPECT_EQ(total, 40u + 6u + 40u + 40u);
+  EXPECT_EQ(total, 120u + 6u + 120u + 120u);
   ExpectModelCount(total, 2);
   CheckAudit(2);
 }
