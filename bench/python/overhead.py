@@ -114,7 +114,8 @@ if "libtorch" in runs:
             med(k, faults), " ".join("%.2f" % step(t) for t in runs[k])))
     # What the layer adds beyond the backward pass, against what the C++ worker adds beyond
     # the same backward pass: each side's own backward taken out (Python's autograd front
-    # end is slower than libtorch's with or without dsyncps).
+    # end is slower than libtorch's with or without dsyncps). It leans on the backward pass
+    # timed alone: page faults that inflate Python's (glibc's heap trimming) shrink it.
     added = med("torch", beyond_backward) - med("libtorch", beyond_backward)
     print("dsyncps.torch adds %.3f ms per step beyond the C++ worker's transfers "
           "(%.1f %% of its whole step)" % (added, 100 * added / lt))

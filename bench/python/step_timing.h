@@ -1,8 +1,9 @@
 // What bench/python/overhead.py's C++ workers share: the process's CPU clock and page faults,
-// the median of a run's iterations after its warm-up, and their arguments.
+// a timed run of steps, the median of its steps after its warm-up, and their arguments.
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -49,6 +50,26 @@ inline std::vector<size_t> ParseSizes(std::string s) {
   }
   return sizes;
 }
+
+// Times `steps` calls of step() (a bool: false stops the run): wall and CPU ms of each, and
+// the minor page faults per step over the run.
+struct Timed {
+  std::vector<double> ms, cpu;
+  double faults = 0;
+  template <typename F>
+  bool Run(int steps, F&& step) {
+    const long f0 = MinorFaults();
+    for (int k = 0; k < steps; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double c0 = CpuMs();
+      if (!step()) return false;
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      cpu.push_back(CpuMs() - c0);
+    }
+    faults = static_cast<double>(MinorFaults() - f0) / steps;
+    return true;
+  }
+};
 
 struct Args {
   int steps = 0;

@@ -2,8 +2,6 @@
 // every iteration (PushPull per tensor, then Wait), timing the iterations after a warm-up.
 // Prints one JSON line: {"mode": "cpp", "ms_per_step": median, "cpu_ms_per_step": median of
 // the process's CPU time (all its threads), "faults_per_step": minor page faults, "steps": N}.
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -34,24 +32,21 @@ int main(int argc, char** argv) {
     (void)w->RegisterBuffer(model[t].data(), sizes[t] * sizeof(float));
     (void)w->RegisterBuffer(grad[t].data(), sizes[t] * sizeof(float));
   }
-  std::vector<double> ms, cpu;
   std::vector<dsync::Handle> handles(sizes.size());
-  const long faults0 = step_timing::MinorFaults();
-  for (int k = 0; k < steps; ++k) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const double c0 = step_timing::CpuMs();
+  dsync::Status failed;
+  step_timing::Timed run;
+  const bool ok = run.Run(steps, [&] {
     for (size_t t = 0; t < sizes.size(); ++t) handles[t] = w->PushPull(ids[t], grad[t].data(), model[t].data());
     for (dsync::Handle h : handles) {
-      if (auto st = w->Wait(h); !st.ok()) return std::fprintf(stderr, "%s\n", st.message().c_str()), 1;
+      if (dsync::Status st = w->Wait(h); !st.ok() && failed.ok()) failed = st;
     }
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    cpu.push_back(step_timing::CpuMs() - c0);
-  }
-  const double faults = static_cast<double>(step_timing::MinorFaults() - faults0) / steps;
+    return failed.ok();
+  });
+  if (!ok) return std::fprintf(stderr, "step_worker: %s\n", failed.ToString().c_str()), 1;
   std::printf("{\"mode\": \"cpp\", \"ms_per_step\": %.4f, \"cpu_ms_per_step\": %.4f, "
               "\"faults_per_step\": %.1f, \"steps\": %zu}\n",
-              step_timing::MedianAfterWarmup(ms), step_timing::MedianAfterWarmup(cpu), faults,
-              step_timing::Kept(ms.size()));
+              step_timing::MedianAfterWarmup(run.ms), step_timing::MedianAfterWarmup(run.cpu),
+              run.faults, step_timing::Kept(run.ms.size()));
   for (size_t t = 0; t < sizes.size(); ++t) {
     w->UnregisterBuffer(model[t].data(), sizes[t] * sizeof(float));
     w->UnregisterBuffer(grad[t].data(), sizes[t] * sizeof(float));

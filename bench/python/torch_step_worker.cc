@@ -4,10 +4,9 @@
 // (PushPull per tensor once backward has returned, then Wait). The backward pass timed alone
 // first, as step_worker.py does, then whole steps. Prints one JSON line like step_worker.py's
 // torch mode: {"mode": "libtorch", "ms_per_step", "cpu_ms_per_step", "backward_ms",
-// "backward_cpu_ms", "steps"}.
+// "backward_cpu_ms", "faults_per_step", "backward_faults_per_step", "steps"}.
 #include <torch/torch.h>
 
-#include <chrono>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -16,28 +15,6 @@
 #include "dsync/config.h"
 #include "dsync/worker.h"
 #include "step_timing.h"
-
-namespace {
-
-struct Timed {
-  std::vector<double> ms, cpu;
-  double faults = 0;  // minor page faults per step
-  template <typename F>
-  bool Run(int steps, F&& step) {
-    const long f0 = step_timing::MinorFaults();
-    for (int k = 0; k < steps; ++k) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const double c0 = step_timing::CpuMs();
-      if (!step()) return false;
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-      cpu.push_back(step_timing::CpuMs() - c0);
-    }
-    faults = static_cast<double>(step_timing::MinorFaults() - f0) / steps;
-    return true;
-  }
-};
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const std::optional<step_timing::Args> args =
@@ -60,7 +37,7 @@ int main(int argc, char** argv) {
     loss.backward();
     return true;
   };
-  Timed plain;
+  step_timing::Timed plain;
   plain.Run(steps, backward);
 
   auto config = dsync::Config::FromProcessEnvironment();
@@ -77,7 +54,7 @@ int main(int argc, char** argv) {
   }
   std::vector<dsync::Handle> handles(sizes.size());
   dsync::Status failed;
-  Timed whole;
+  step_timing::Timed whole;
   const bool ok = whole.Run(steps, [&] {
     backward();
     for (size_t t = 0; t < sizes.size(); ++t) {
