@@ -50,6 +50,7 @@ for sc in a.scenarios.split(","):
         p.error("unknown scenario '%s' (known: %s)" % (sc, ", ".join(all_scenarios)))
     scenarios[sc] = all_scenarios[sc]
 modes = ["ddp"] + [m for m in a.modes.split(",") if m and m != "ddp"]
+width = max(11, max(len(m) for m in modes))  # the mode column, in the run lines and the table
 
 
 def run(mode, scenario, rep):
@@ -79,8 +80,8 @@ def run(mode, scenario, rep):
         raise SystemExit("%s wrote no summary:\n%s" % (" ".join(cmd), out[-3000:]))
     with open(path) as f:
         s = json.load(f)
-    print("  %-9s %-18s rep %d: reach %s s, stays %s s, final %.4f, %.1f s" % (
-        scenario, mode, rep, fmt(s["first_reach_s"]), fmt(s["stays_from_s"]),
+    print("  %-9s %-*s rep %d: reach %s s, stays %s s, final %.4f, %.1f s" % (
+        scenario, width, mode, rep, fmt(s["first_reach_s"]), fmt(s["stays_from_s"]),
         s["final_accuracy"], s["seconds"]), flush=True)
     return s
 
@@ -102,7 +103,6 @@ for rep in range(a.runs):
 
 print("\n%d workers, %g epochs, target %.0f %%, medians of %d runs" % (
     a.workers, a.epochs, 100 * a.target, a.runs))
-width = max(11, max(len(m) for m in modes))
 print("%-10s %-*s %8s %8s %9s %8s %10s %10s" % ("scenario", width, "mode", "reach_s", "stays_s",
                                                   "final_acc", "time_s", "stays/ddp", "time/ddp"))
 summary = {}
