@@ -159,6 +159,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   c.gpudirect = GpuDirectMode::kOff;
   c.gid_index = 3;
   c.rdma_device = "rxe0";
+  c.pin_heap = false;
   // A node's own settings stay behind.
   c.role = Role::kServer;
   c.port = 4444;
@@ -192,6 +193,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   EXPECT_EQ(back.gpudirect, GpuDirectMode::kOff);
   EXPECT_EQ(back.gid_index, 3);
   EXPECT_EQ(back.rdma_device, "rxe0");
+  EXPECT_FALSE(back.pin_heap);
   EXPECT_EQ(back.role, Role::kWorker);
   EXPECT_EQ(back.port, 0);
   EXPECT_EQ(back.link_delay_us, 0u);
@@ -357,6 +359,12 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
   auto opt = Config::FromEnvironment({{"DSYNC_OPTIMIZER", "lamb"}});
   ASSERT_FALSE(opt.ok());
   EXPECT_NE(opt.status().message().find("sgd, momentum, adam, adamw, sum"), std::string::npos);
+  auto heap = Config::FromEnvironment({{"DSYNC_PIN_HEAP", "yes"}});
+  ASSERT_FALSE(heap.ok());
+  EXPECT_NE(heap.status().message().find("DSYNC_PIN_HEAP: 'yes' is not 0 or 1"), std::string::npos)
+      << heap.status().message();
+  EXPECT_TRUE(Config{}.pin_heap);
+  EXPECT_FALSE(Config::FromEnvironment({{"DSYNC_PIN_HEAP", "0"}}).value().pin_heap);
 }
 
 TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {

@@ -13,6 +13,10 @@ and the ratios to DDP. Prints a table and a RESULT {json} line; the runs' folder
 A dsyncps mode may name a staleness policy after a slash (MODE/POLICY, as `dsyncps compare`
 takes it): dsync:auto/inverse runs `--sync dsync:auto --staleness-policy inverse`.
 
+dsyncps.init() pins glibc's heap thresholds in its workers (docs/python.md), which takes a
+small CNN's steps on CPU from page-fault bound to compute bound; DDP's processes get the same
+thresholds (--ddp-heap pinned, the default) so that the comparison is of synchronization.
+
 Most of a run's wall time beyond training is rank 0 evaluating its model copies (one per
 --eval-interval seconds, each on the 10000 test images) after training: a longer interval
 makes the runs shorter and the times to the target coarser by as much.
@@ -37,6 +41,10 @@ p.add_argument("--eval-interval", type=float, default=1.0,
 p.add_argument("--modes", default="ddp,bsp,dsync:auto",
                help="ddp and dsyncps modes, MODE or MODE/POLICY; ddp is the baseline, always run")
 p.add_argument("--scenarios", default="balanced,straggler")
+p.add_argument("--ddp-heap", choices=("pinned", "glibc"), default="pinned",
+               help="pinned: DDP's processes get the heap thresholds dsyncps.init() pins in its "
+               "workers, so the comparison is of synchronization, not of the allocator; glibc: "
+               "DDP as a script runs by default")
 a = p.parse_args()
 here = os.path.dirname(os.path.abspath(__file__))
 example = os.path.join(here, "..", "..", "examples", "pytorch", "fmnist_cnn.py")
@@ -60,6 +68,9 @@ def run(mode, scenario, rep):
             mode, "--eval-interval", str(a.eval_interval)] + scenarios[scenario]
     if mode == "ddp":
         cmd = [sys.executable, example, "--ddp", "--nproc", str(a.workers)] + args
+        if a.ddp_heap == "pinned":  # the values of python/src/heap.cc
+            cmd = ["env", "MALLOC_MMAP_THRESHOLD_=%d" % (32 << 20),
+                   "MALLOC_TRIM_THRESHOLD_=%d" % (256 << 20)] + cmd
     else:
         # The job's budget is the gradients of the epochs (DDP's total): every worker trains
         # until it is spent, so fast workers take on what a straggler leaves.

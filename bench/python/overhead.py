@@ -10,7 +10,8 @@ Two comparisons:
   its zero_grad and backward pass taken out (timed alone in the same process);
 - whole steps, the same backward pass on both sides: dsyncps.torch (hooks and step())
   against a C++ worker that runs the backward pass through libtorch and then pushes
-  (torch_step_worker.cc; built where Debian's libtorch-dev is). Taking the backward pass out
+  (torch_step_worker.cc; built where Debian's libtorch-dev is) in the order the hooks do,
+  the last registered tensor first (its row "C++ fwd": in registration order). Taking the backward pass out
   of a step measured with the transfers is not exact: on a machine whose cores the worker,
   the server and autograd share, the transfers slow the backward pass down (contention, the
   cache), and this comparison carries that alike on both sides.
@@ -107,11 +108,17 @@ if "libtorch" in runs:
     print("%-9s %9s %7s %9s %7s %10s %8s   wall runs" % (
         "worker", "step ms", "/ C++", "CPU ms", "/ C++", "backward", "faults"))
     lt, lt_cpu = med("libtorch", step), med("libtorch", step_cpu)
-    for k, label in (("libtorch", "C++"), ("torch", "Python")):
-        wall, cpu = med(k, step), med(k, step_cpu)
+    # The C++ worker pushes in backward order, as the hooks do; its registration-order row
+    # shows what the order alone is worth.
+    rows = (("libtorch", "C++", step, step_cpu),
+            ("libtorch", "C++ fwd", lambda t: t["forward_order_ms_per_step"],
+             lambda t: t["forward_order_cpu_ms_per_step"]),
+            ("torch", "Python", step, step_cpu))
+    for k, label, f_wall, f_cpu in rows:
+        wall, cpu = med(k, f_wall), med(k, f_cpu)
         print("%-9s %9.3f %7.3f %9.3f %7.3f %10.3f %8.1f   %s" % (
             label, wall, wall / lt, cpu, cpu / lt_cpu, med(k, lambda t: t["backward_ms"]),
-            med(k, faults), " ".join("%.2f" % step(t) for t in runs[k])))
+            med(k, faults), " ".join("%.2f" % f_wall(t) for t in runs[k])))
     # What the layer adds beyond the backward pass, against what the C++ worker adds beyond
     # the same backward pass: each side's own backward taken out (Python's autograd front
     # end is slower than libtorch's with or without dsyncps). It leans on the backward pass
@@ -120,6 +127,8 @@ if "libtorch" in runs:
     print("dsyncps.torch adds %.3f ms per step beyond the C++ worker's transfers "
           "(%.1f %% of its whole step)" % (added, 100 * added / lt))
     result.update({"libtorch_step_ms": lt, "torch_step_ms": med("torch", step),
+                   "libtorch_forward_order_step_ms":
+                       med("libtorch", lambda t: t["forward_order_ms_per_step"]),
                    "step_ratio": med("torch", step) / lt,
                    "step_cpu_ratio": med("torch", step_cpu) / lt_cpu,
                    "libtorch_backward_ms": med("libtorch", lambda t: t["backward_ms"]),

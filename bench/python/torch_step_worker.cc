@@ -2,8 +2,10 @@
 // parameters, the same backward pass through libtorch's autograd (the kernels and the
 // allocator dsyncps.torch's backward runs on) and the same transfers through the C++ worker
 // (PushPull per tensor once backward has returned, then Wait). The backward pass timed alone
-// first, as step_worker.py does, then whole steps. Prints one JSON line like step_worker.py's
-// torch mode: {"mode": "libtorch", "ms_per_step", "cpu_ms_per_step", "backward_ms",
+// first, as step_worker.py does, then whole steps with the tensors pushed in backward order
+// (as dsyncps.torch's hooks push them), then in registration order. Prints one JSON line like
+// step_worker.py's torch mode: {"mode": "libtorch", "ms_per_step", "cpu_ms_per_step",
+// "forward_order_ms_per_step", "forward_order_cpu_ms_per_step", "backward_ms",
 // "backward_cpu_ms", "faults_per_step", "backward_faults_per_step", "steps"}.
 #include <torch/torch.h>
 
@@ -54,22 +56,32 @@ int main(int argc, char** argv) {
   }
   std::vector<dsync::Handle> handles(sizes.size());
   dsync::Status failed;
-  step_timing::Timed whole;
-  const bool ok = whole.Run(steps, [&] {
+  // A whole step, the tensors pushed in backward order (the last registered first: the order
+  // in which autograd finishes their gradients, and dsyncps.torch's hooks push them) or in
+  // registration order. The order matters: pushed first, the largest tensor's update and
+  // pull overlap the smaller ones' transfers.
+  auto step = [&](bool backward_order) {
     backward();
-    for (size_t t = 0; t < sizes.size(); ++t) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      const size_t t = backward_order ? sizes.size() - 1 - k : k;
       handles[t] = w->PushPull(ids[t], params[t].grad().data_ptr<float>(), params[t].data_ptr<float>());
     }
     for (dsync::Handle h : handles) {
       if (dsync::Status st = w->Wait(h); !st.ok() && failed.ok()) failed = st;
     }
     return failed.ok();
-  });
+  };
+  step_timing::Timed whole, forward_order;
+  const bool ok = whole.Run(steps, [&] { return step(true); }) &&
+                  forward_order.Run(steps, [&] { return step(false); });
   if (!ok) return std::fprintf(stderr, "torch_step_worker: %s\n", failed.ToString().c_str()), 1;
   std::printf("{\"mode\": \"libtorch\", \"ms_per_step\": %.4f, \"cpu_ms_per_step\": %.4f, "
+              "\"forward_order_ms_per_step\": %.4f, \"forward_order_cpu_ms_per_step\": %.4f, "
               "\"backward_ms\": %.4f, \"backward_cpu_ms\": %.4f, \"faults_per_step\": %.1f, "
               "\"backward_faults_per_step\": %.1f, \"steps\": %zu}\n",
               step_timing::MedianAfterWarmup(whole.ms), step_timing::MedianAfterWarmup(whole.cpu),
+              step_timing::MedianAfterWarmup(forward_order.ms),
+              step_timing::MedianAfterWarmup(forward_order.cpu),
               step_timing::MedianAfterWarmup(plain.ms), step_timing::MedianAfterWarmup(plain.cpu),
               whole.faults, plain.faults,
               step_timing::Kept(whole.ms.size()));

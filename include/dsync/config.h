@@ -166,6 +166,11 @@ struct Config {
   // Worker: join as an observer, a read-only client (an evaluator, a monitor) that pulls
   // the newest model without waiting and never pushes, so it never holds a round.
   bool observer = false;
+  // Python workers and observers: pin glibc's heap thresholds at start, so that what a step
+  // frees serves the next instead of being handed back to the kernel and faulted in again
+  // (docs/python.md). false leaves glibc's defaults; so does any MALLOC_* or
+  // GLIBC_TUNABLES heap setting of the user's own.
+  bool pin_heap = true;
 
   // Emulated latency added to every frame this node sends (experiments with a far-away
   // worker on one machine, like netem without root); 0 in production.

@@ -10,10 +10,10 @@ import os
 import signal
 import threading
 
-from ._core import Error, Request, Worker
+from ._core import Error, Request, Worker, heap_state
 
 __all__ = ["Error", "Request", "Worker", "init", "initialized", "worker", "shutdown", "observe",
-           "rank", "stop_requested"]
+           "rank", "stop_requested", "heap_state"]
 
 _worker = None
 _lock = threading.Lock()
@@ -25,6 +25,9 @@ def init(settings=None):
     ``settings`` maps ``DSYNC_*`` names to values over the environment. The worker leaves the
     job when the process exits normally, on an uncaught exception, on Ctrl-C and on SIGTERM
     (the gradients it committed are applied; the iteration in hand is committed too).
+    It also pins glibc's heap thresholds, so that the memory a training step frees serves the
+    next one instead of being faulted in again (``heap_state()`` says what was done;
+    ``DSYNC_PIN_HEAP=0`` or a ``MALLOC_*_`` variable of your own leaves glibc's defaults).
     """
     global _worker
     with _lock:

@@ -17,10 +17,11 @@ import weakref
 
 import torch
 
-from . import Error, init, initialized, observe, rank, shutdown, stop_requested, worker
+from . import (Error, heap_state, init, initialized, observe, rank, shutdown, stop_requested,
+               worker)
 
 __all__ = ["ServerOptimizer", "Observer", "state_dict", "init", "shutdown", "rank",
-           "stop_requested", "Error"]
+           "stop_requested", "heap_state", "Error"]
 
 # torch.optim's names and hyperparameters -> the server's optimizer.
 _KINDS = ("sgd", "momentum", "adam", "adamw", "sum")

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "array_view.h"
+#include "heap.h"
 #include "dsync/config.h"
 #include "dsync/worker.h"
 
@@ -163,6 +164,7 @@ class Worker {
                       dsync::RoleName(config.role))));
     }
     config.observer = config.observer || observer;
+    PinHeap(config.pin_heap);
     auto state = std::make_shared<WorkerState>();
     {
       py::gil_scoped_release release;
@@ -399,6 +401,10 @@ PYBIND11_MODULE(_core, m) {
     Worker::RefuseCuda(v, what);
     return py::tuple(py::cast(v.shape));
   }, "Views an array as dsyncps would (for tests): its shape, or the error a transfer would raise.");
+
+  m.def("heap_state", &HeapState,
+        "What dsyncps did with glibc's heap thresholds when this process's worker started "
+        "(DSYNC_PIN_HEAP; docs/python.md).");
 
   py::class_<Request>(m, "Request", "an operation in flight; wait() completes it")
       .def("wait", &Request::Wait,

@@ -49,11 +49,21 @@ std::string GetOptimizerFloat(const Config& c) {
   return fmt::format("{}", c.optimizer.*M);  // the shortest text that reads back exactly
 }
 
-Status SetNesterov(Config& c, std::string_view v) {
+// A 0/1 value.
+Status ReadBool(std::string_view v, bool& out) {
   if (v != "0" && v != "1") return Error(StatusCode::kInvalidArgument, "'{}' is not 0 or 1", v);
-  c.optimizer.nesterov = v == "1";
+  out = v == "1";
   return Status::Ok();
 }
+template <auto M>
+Status SetBool(Config& c, std::string_view v) {
+  return ReadBool(v, c.*M);
+}
+template <auto M>
+std::string GetBool(const Config& c) {
+  return c.*M ? "1" : "0";
+}
+Status SetNesterov(Config& c, std::string_view v) { return ReadBool(v, c.optimizer.nesterov); }
 std::string GetNesterov(const Config& c) { return c.optimizer.nesterov ? "1" : "0"; }
 
 // An enum through its Parse/Name pair.
@@ -90,12 +100,6 @@ Status SetSliceBytes(Config& c, std::string_view v) {
   return Status::Ok();
 }
 
-Status SetInsecure(Config& c, std::string_view v) {
-  if (v != "0" && v != "1") return Error(StatusCode::kInvalidArgument, "'{}' is not 0 or 1", v);
-  c.insecure = v == "1";
-  return Status::Ok();
-}
-std::string GetInsecure(const Config& c) { return c.insecure ? "1" : "0"; }
 
 Status SetLinkDelay(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("", v));
@@ -145,7 +149,7 @@ constexpr Setting kSettings[] = {
    SetText<&Config::token>, GetText<&Config::token>, /*secret=*/true},
   {"DSYNC_INSECURE", {}, "--insecure",
    "run without a cluster token: anyone who reaches the ports may join", S::kNode, true, true,
-   SetInsecure, GetInsecure},
+   SetBool<&Config::insecure>, GetBool<&Config::insecure>},
   {"DSYNC_HEARTBEAT_MS", {}, "--heartbeat-ms", "heartbeat interval in ms", S::kNode, true, false,
    SetUnsigned<&Config::heartbeat_interval_ms>, GetNumber<&Config::heartbeat_interval_ms>},
   {"DSYNC_HEARTBEAT_TIMEOUT_MS", {}, "--heartbeat-timeout-ms",
@@ -189,6 +193,10 @@ constexpr Setting kSettings[] = {
    "on (fail if impossible) | off", S::kNode, true, false,
    SetEnum<&Config::gpudirect, ParseGpuDirect, GpuDirectName>,
    GetEnum<&Config::gpudirect, ParseGpuDirect, GpuDirectName>},
+  {"DSYNC_PIN_HEAP", {}, "--pin-heap",
+   "Python workers: keep the memory a step frees for the next one instead of returning it to "
+   "the kernel (glibc's heap thresholds pinned; docs/python.md): 1 | 0", S::kNode, true, false,
+   SetBool<&Config::pin_heap>, GetBool<&Config::pin_heap>},
   // --- the job's size ------------------------------------------------------------------------
   {"DSYNC_NUM_SERVERS", {"DMLC_NUM_SERVER"}, "--num-servers", "servers in the job",
    S::kCluster, true, false, SetUnsigned<&Config::num_servers>,

@@ -258,3 +258,24 @@ elif a.mode == "save":
     report(rank=rank, steps=steps, same=same, keys=sorted(back),
            version=opt.version)
     dps.shutdown()
+
+elif a.mode == "heap":
+    # What init() did with glibc's heap thresholds, and the minor page faults of each training
+    # step. Eight 512 KiB parameters: each step's temporaries (4 MiB) exceed what glibc's
+    # adaptive trim threshold keeps (twice the largest block it has unmapped), so with its
+    # defaults the heap's top is handed back and faulted in again step after step.
+    import resource
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.full((131072,), 0.5)) for _ in range(8)]
+    coeff = [torch.full((131072,), 1e-3) for _ in range(8)]
+    dps.init()
+    opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd", lr=0.01)
+    faults = []
+    for i in range(50):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        opt.zero_grad()
+        sum((p_ * c).sum() for p_, c in zip(params, coeff)).backward()
+        opt.step()
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    report(rank=rank, state=dps.heap_state(), faults=faults[10:], version=opt.version)
+    dps.shutdown()

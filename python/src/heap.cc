@@ -1,0 +1,68 @@
+#include "heap.h"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace dsyncps_py {
+namespace {
+
+// Blocks up to this size come from the heap and are reused; larger ones are still mapped
+// anew each time. 32 MiB is glibc's own ceiling for its adaptive threshold on 64-bit
+// (DEFAULT_MMAP_THRESHOLD_MAX, malloc/malloc.c), which every glibc's mallopt accepts.
+constexpr int kMmapThreshold = 32 << 20;
+// Freed memory at the heap's top is kept up to this much (glibc's default is 128 KiB, or
+// twice the adaptive mmap threshold): what a step's temporaries need, with room to spare.
+constexpr int kTrimThreshold = 256 << 20;
+
+std::mutex g_mu;
+std::string g_state = "not asked yet (no worker or observer has started)";
+
+// A heap setting the user made: theirs wins.
+const char* UserHeapSetting() {
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                           "MALLOC_MMAP_MAX_"}) {
+    if (const char* v = std::getenv(name); v != nullptr && *v != '\0') return name;
+  }
+  if (const char* t = std::getenv("GLIBC_TUNABLES"); t != nullptr && std::strstr(t, "glibc.malloc.")) {
+    return "GLIBC_TUNABLES";
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::string PinHeap(bool wanted) {
+  std::lock_guard lock(g_mu);
+#if defined(__GLIBC__)
+  if (!wanted) {
+    g_state = "left to glibc (DSYNC_PIN_HEAP=0)";
+  } else if (const char* name = UserHeapSetting()) {
+    g_state = fmt::format("left to glibc ({} is set)", name);
+  } else if (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1) {
+    g_state = "left to glibc (mallopt refused the mmap threshold)";
+  } else if (mallopt(M_TRIM_THRESHOLD, kTrimThreshold) != 1) {
+    // The mmap threshold alone still keeps large blocks out of mmap; say what is missing.
+    g_state = "mmap threshold pinned, trim threshold refused by mallopt";
+  } else {
+    g_state = fmt::format("pinned (mmap threshold {} MiB, trim threshold {} MiB)",
+                          kMmapThreshold >> 20, kTrimThreshold >> 20);
+  }
+#else
+  g_state = wanted ? "left alone (the C library is not glibc)" : "left alone (DSYNC_PIN_HEAP=0)";
+#endif
+  return g_state;
+}
+
+std::string HeapState() {
+  std::lock_guard lock(g_mu);
+  return g_state;
+}
+
+}  // namespace dsyncps_py
