@@ -11,7 +11,9 @@ Two comparisons:
 - whole steps, the same backward pass on both sides: dsyncps.torch (hooks and step())
   against a C++ worker that runs the backward pass through libtorch and then pushes
   (torch_step_worker.cc; built where Debian's libtorch-dev is) in the order the hooks do,
-  the last registered tensor first (its row "C++ fwd": in registration order). Taking the backward pass out
+  the last registered tensor first (its row "C++ fwd": in registration order); the row "Py
+  nohook" is Python's backward pass followed by the core's push_pull of each gradient, no
+  hooks and no dsyncps.torch. Taking the backward pass out
   of a step measured with the transfers is not exact: on a machine whose cores the worker,
   the server and autograd share, the transfers slow the backward pass down (contention, the
   cache), and this comparison carries that alike on both sides.
@@ -52,7 +54,7 @@ def job(program):
 py_worker = [sys.executable, os.path.join(here, "step_worker.py"), "--steps", str(a.steps),
              "--sizes", a.sizes, "--mode"]
 programs = [("cpp", [cpp, str(a.steps), a.sizes]), ("core", py_worker + ["core"]),
-            ("torch", py_worker + ["torch"])]
+            ("torch", py_worker + ["torch"]), ("torch-core", py_worker + ["torch-core"])]
 if os.path.exists(libtorch):
     programs.append(("libtorch", [libtorch, str(a.steps), a.sizes]))
 else:
@@ -113,12 +115,20 @@ if "libtorch" in runs:
     rows = (("libtorch", "C++", step, step_cpu),
             ("libtorch", "C++ fwd", lambda t: t["forward_order_ms_per_step"],
              lambda t: t["forward_order_cpu_ms_per_step"]),
-            ("torch", "Python", step, step_cpu))
+            ("torch", "Python", step, step_cpu),
+            ("torch-core", "Py nohook", step, step_cpu))
     for k, label, f_wall, f_cpu in rows:
         wall, cpu = med(k, f_wall), med(k, f_cpu)
         print("%-9s %9.3f %7.3f %9.3f %7.3f %10.3f %8.1f   %s" % (
             label, wall, wall / lt, cpu, cpu / lt_cpu, med(k, lambda t: t["backward_ms"]),
             med(k, faults), " ".join("%.2f" % f_wall(t) for t in runs[k])))
+    # Each run measured the C++ and the Python worker minutes apart at most: the median of
+    # the per-run ratios is less at the mercy of the VM's drift than the ratio of medians.
+    paired = statistics.median(step(t) / step(c) for t, c in zip(runs["torch"], runs["libtorch"]))
+    print("Python / C++ per run: %s; median %.3f" % (
+        " ".join("%.2f" % (step(t) / step(c)) for t, c in zip(runs["torch"], runs["libtorch"])),
+        paired))
+    result["step_ratio_paired"] = paired
     # What the layer adds beyond the backward pass, against what the C++ worker adds beyond
     # the same backward pass: each side's own backward taken out (Python's autograd front
     # end is slower than libtorch's with or without dsyncps). It leans on the backward pass
@@ -127,6 +137,7 @@ if "libtorch" in runs:
     print("dsyncps.torch adds %.3f ms per step beyond the C++ worker's transfers "
           "(%.1f %% of its whole step)" % (added, 100 * added / lt))
     result.update({"libtorch_step_ms": lt, "torch_step_ms": med("torch", step),
+                   "torch_core_step_ms": med("torch-core", step),
                    "libtorch_forward_order_step_ms":
                        med("libtorch", lambda t: t["forward_order_ms_per_step"]),
                    "step_ratio": med("torch", step) / lt,

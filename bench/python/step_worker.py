@@ -1,7 +1,8 @@
 """The Python sides of bench/python/overhead.py: the same iterations as step_worker.cc through
 the core (--mode core: push_pull per tensor, then wait) or through dsyncps.torch (--mode
 torch: backward hooks and step(); the backward pass alone is timed too, so the layer's own
-cost can be told from autograd's). Prints one JSON line like step_worker.cc, wall and CPU time
+cost can be told from autograd's), or the same backward pass followed by the core's push_pull
+of each gradient in backward order, no hooks (--mode torch-core). Prints one JSON line like step_worker.cc, wall and CPU time
 (the process's, every thread) per step."""
 import argparse
 import json
@@ -75,18 +76,33 @@ else:
         plain.append((time.perf_counter() - t0) * 1e3)
         plain_cpu.append((time.process_time() - c0) * 1e3)
     plain_faults = (faults() - f0) / a.steps
-    opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd", lr=0.01)
+    if a.mode == "torch":
+        opt = dps.ServerOptimizer([("t%d" % i, p_) for i, p_ in enumerate(params)], "sgd",
+                                  lr=0.01)
+    else:  # torch-core: the same backward pass, then the core's push_pull in backward order
+        w = dsyncps.worker()
+        ids = [w.register("t%d" % i, p_.detach()) for i, p_ in enumerate(params)]
     ms, cpu = [], []
     f0 = faults()
     for k in range(a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        backward()
-        opt.step()
+        if a.mode == "torch":
+            opt.zero_grad()
+            backward()
+            opt.step()
+        else:
+            for p_ in params:
+                if p_.grad is not None:
+                    p_.grad.zero_()
+            backward()
+            reqs = [w.push_pull(ids[i], params[i].grad, params[i].data)
+                    for i in reversed(range(len(params)))]
+            for r in reqs:
+                r.wait()
         ms.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
     med, n = median_after_warmup(ms)
-    print(json.dumps({"mode": "torch", "ms_per_step": med, "steps": n,
+    print(json.dumps({"mode": a.mode, "ms_per_step": med, "steps": n,
                       "cpu_ms_per_step": median_after_warmup(cpu)[0],
                       "backward_ms": median_after_warmup(plain)[0],
                       "backward_cpu_ms": median_after_warmup(plain_cpu)[0],
