@@ -100,7 +100,6 @@ Status SetSliceBytes(Config& c, std::string_view v) {
   return Status::Ok();
 }
 
-
 Status SetLinkDelay(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("", v));
   if (!(ms >= 0.0f && ms <= 60000.0f)) {
