@@ -72,9 +72,8 @@ def run(mode, scenario, rep):
             mode, "--eval-interval", str(a.eval_interval)] + scenarios[scenario]
     if mode == "ddp":
         cmd = [sys.executable, example, "--ddp", "--nproc", str(a.workers)] + args
-        if a.ddp_heap == "pinned":  # the values of python/src/heap.cc
-            cmd = ["env", "MALLOC_MMAP_THRESHOLD_=%d" % (32 << 20),
-                   "MALLOC_TRIM_THRESHOLD_=%d" % (256 << 20)] + cmd
+        if a.ddp_heap == "pinned":
+            cmd = ["env"] + ["%s=%s" % kv for kv in pinned_heap_env().items()] + cmd
     else:
         # The job's budget is the gradients of the epochs (DDP's total): every worker trains
         # until it is spent, so fast workers take on what a straggler leaves.
@@ -99,6 +98,13 @@ def run(mode, scenario, rep):
         scenario, width, mode, rep, fmt(s["first_reach_s"]), fmt(s["stays_from_s"]),
         s["final_accuracy"], s["seconds"]), flush=True)
     return s
+
+
+def pinned_heap_env():
+    """The MALLOC_*_ values dsyncps.init() pins, from the package in the build tree."""
+    sys.path.insert(0, os.path.join(a.build, "python"))
+    from dsyncps import _core
+    return _core.PINNED_HEAP_ENV
 
 
 def fmt(v):

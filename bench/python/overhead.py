@@ -124,10 +124,10 @@ if "libtorch" in runs:
             med(k, faults), " ".join("%.2f" % f_wall(t) for t in runs[k])))
     # Each run measured the C++ and the Python worker minutes apart at most: the median of
     # the per-run ratios is less at the mercy of the VM's drift than the ratio of medians.
-    paired = statistics.median(step(t) / step(c) for t, c in zip(runs["torch"], runs["libtorch"]))
-    print("Python / C++ per run: %s; median %.3f" % (
-        " ".join("%.2f" % (step(t) / step(c)) for t, c in zip(runs["torch"], runs["libtorch"])),
-        paired))
+    per_run = [step(t) / step(c) for t, c in zip(runs["torch"], runs["libtorch"])]
+    paired = statistics.median(per_run)
+    print("Python / C++ per run: %s; median %.3f" % (" ".join("%.2f" % r for r in per_run),
+                                                     paired))
     result["step_ratio_paired"] = paired
     # What the layer adds beyond the backward pass, against what the C++ worker adds beyond
     # the same backward pass: each side's own backward taken out (Python's autograd front

@@ -61,6 +61,11 @@ else:
     def backward():
         sum((p_ * c).sum() for p_, c in zip(params, coeff)).backward()
 
+    def zero_grads():  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
+        for p_ in params:
+            if p_.grad is not None:
+                p_.grad.zero_()
+
     # Joined first: init() pins glibc's heap thresholds (docs/python.md), which the backward
     # pass timed alone should run with too.
     dps.init()
@@ -69,9 +74,7 @@ else:
     f0 = faults()
     for k in range(a.steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        for p_ in params:  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
-            if p_.grad is not None:
-                p_.grad.zero_()
+        zero_grads()
         backward()
         plain.append((time.perf_counter() - t0) * 1e3)
         plain_cpu.append((time.process_time() - c0) * 1e3)
@@ -91,9 +94,7 @@ else:
             backward()
             opt.step()
         else:
-            for p_ in params:
-                if p_.grad is not None:
-                    p_.grad.zero_()
+            zero_grads()
             backward()
             reqs = [w.push_pull(ids[i], params[i].grad, params[i].data)
                     for i in reversed(range(len(params)))]

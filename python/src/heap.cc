@@ -13,14 +13,6 @@
 namespace dsyncps_py {
 namespace {
 
-// Blocks up to this size come from the heap and are reused; larger ones are still mapped
-// anew each time. 32 MiB is glibc's own ceiling for its adaptive threshold on 64-bit
-// (DEFAULT_MMAP_THRESHOLD_MAX, malloc/malloc.c), which every glibc's mallopt accepts.
-constexpr int kMmapThreshold = 32 << 20;
-// Freed memory at the heap's top is kept up to this much (glibc's default is 128 KiB, or
-// twice the adaptive mmap threshold): what a step's temporaries need, with room to spare.
-constexpr int kTrimThreshold = 256 << 20;
-
 std::mutex g_mu;
 std::string g_state = "not asked yet (no worker or observer has started)";
 
@@ -38,26 +30,25 @@ const char* UserHeapSetting() {
 
 }  // namespace
 
-std::string PinHeap(bool wanted) {
+void PinHeap(bool wanted) {
   std::lock_guard lock(g_mu);
 #if defined(__GLIBC__)
   if (!wanted) {
     g_state = "left to glibc (DSYNC_PIN_HEAP=0)";
   } else if (const char* name = UserHeapSetting()) {
     g_state = fmt::format("left to glibc ({} is set)", name);
-  } else if (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1) {
+  } else if (mallopt(M_MMAP_THRESHOLD, kPinnedMmapThreshold) != 1) {
     g_state = "left to glibc (mallopt refused the mmap threshold)";
-  } else if (mallopt(M_TRIM_THRESHOLD, kTrimThreshold) != 1) {
+  } else if (mallopt(M_TRIM_THRESHOLD, kPinnedTrimThreshold) != 1) {
     // The mmap threshold alone still keeps large blocks out of mmap; say what is missing.
     g_state = "mmap threshold pinned, trim threshold refused by mallopt";
   } else {
     g_state = fmt::format("pinned (mmap threshold {} MiB, trim threshold {} MiB)",
-                          kMmapThreshold >> 20, kTrimThreshold >> 20);
+                          kPinnedMmapThreshold >> 20, kPinnedTrimThreshold >> 20);
   }
 #else
   g_state = wanted ? "left alone (the C library is not glibc)" : "left alone (DSYNC_PIN_HEAP=0)";
 #endif
-  return g_state;
 }
 
 std::string HeapState() {

@@ -10,10 +10,18 @@
 
 namespace dsyncps_py {
 
+// Blocks up to this size come from the heap and are reused; larger ones are still mapped
+// anew each time. 32 MiB is glibc's own ceiling for its adaptive threshold on 64-bit
+// (DEFAULT_MMAP_THRESHOLD_MAX, malloc/malloc.c), which every glibc's mallopt accepts.
+constexpr int kPinnedMmapThreshold = 32 << 20;
+// Freed memory at the heap's top is kept up to this much (glibc's default is 128 KiB, or
+// twice the adaptive mmap threshold): what a step's temporaries need, with room to spare.
+constexpr int kPinnedTrimThreshold = 256 << 20;
+
 // Pins the thresholds unless `wanted` is false, the user chose heap settings of their own
 // (MALLOC_*_ variables, GLIBC_TUNABLES with glibc.malloc.*), or the C library is not glibc.
-// Returns what was done, as HeapState() says it afterwards.
-std::string PinHeap(bool wanted);
+// HeapState() says afterwards what was done.
+void PinHeap(bool wanted);
 // "pinned (...)", "left to glibc (why)", or "not asked yet" before any worker started.
 std::string HeapState();
 

@@ -405,6 +405,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("heap_state", &HeapState,
         "What dsyncps did with glibc's heap thresholds when this process's worker started "
         "(DSYNC_PIN_HEAP; docs/python.md).");
+  // The pinned values, for a process that should run with the same ones without dsyncps
+  // (bench/python/cnn_vs_ddp.py's DDP baseline).
+  m.attr("PINNED_HEAP_ENV") = py::dict(
+      py::arg("MALLOC_MMAP_THRESHOLD_") = std::to_string(kPinnedMmapThreshold),
+      py::arg("MALLOC_TRIM_THRESHOLD_") = std::to_string(kPinnedTrimThreshold));
 
   py::class_<Request>(m, "Request", "an operation in flight; wait() completes it")
       .def("wait", &Request::Wait,

@@ -261,9 +261,9 @@ elif a.mode == "save":
 
 elif a.mode == "heap":
     # What init() did with glibc's heap thresholds, and the minor page faults of each training
-    # step. Eight 512 KiB parameters: each step's temporaries (4 MiB) exceed what glibc's
-    # adaptive trim threshold keeps (twice the largest block it has unmapped), so with its
-    # defaults the heap's top is handed back and faulted in again step after step.
+    # step. Eight 512 KiB parameters: each step's temporaries (4 MiB) can exceed what glibc's
+    # adaptive trim threshold keeps (twice the largest block it has unmapped), and with its
+    # defaults most runs hand the heap's top back and fault it in again step after step.
     import resource
     torch.set_num_threads(1)
     params = [torch.nn.Parameter(torch.full((131072,), 0.5)) for _ in range(8)]
