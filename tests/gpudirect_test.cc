@@ -100,6 +100,12 @@ class FakeGpuStore final : public ps::ParamStore {
     return cpu_->ApplyRound(k, grads, weights, opt);
   }
   Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
+  Status Snapshot(ps::SliceKey k, ps::SliceSnapshot& out) const override {
+    return cpu_->Snapshot(k, out);
+  }
+  Status Restore(ps::SliceKey k, const ps::SliceSnapshot& in) override {
+    return cpu_->Restore(k, in);
+  }
 
  private:
   std::unique_ptr<ps::ParamStore> cpu_;

@@ -160,6 +160,30 @@ TEST_F(MultiProcess, SigkillMidPushIsAppliedNowhereAndAfterPushExactlyOnce) {
   CheckAudit(0);
 }
 
+// Checkpoints through the command line: a job with a worker killed mid-push checkpoints every
+// 4 rounds and at its end; the job resumed from it goes on from there, and the final model
+// counts every gradient either job applied, none twice.
+TEST_F(MultiProcess, AJobResumedFromItsCheckpointKeepsEveryAppliedGradientOnce) {
+  const std::string ckpt = (dir_ / "ckpt").string();
+  const std::vector<std::string> job = {"--servers", "2", "--workers", "3", "--sync", "dsync:1,2",
+                                        "--optimizer", "sum", "--model", "count",
+                                        "--tensor-elems", "5000", "--slice-bytes", "4096"};
+  std::vector<std::string> first = job;
+  first.insert(first.end(), {"--iters", "15", "--checkpoint-dir", ckpt, "--checkpoint-every",
+                             "4", "--worker-flags", "2=--kill-at-iter 6 --kill-point mid-push"});
+  const std::string out1 = RunLocal(first);
+  EXPECT_NE(out1.find("checkpoint of version 4 complete"), std::string::npos) << out1;
+  const uint64_t before = Completed(out1);
+  EXPECT_EQ(before, 15u + 15u + 6u);
+  std::vector<std::string> second = job;
+  second.insert(second.end(), {"--iters", "10", "--resume", ckpt});
+  const std::string out2 = RunLocal(second);
+  EXPECT_NE(out2.find("resuming from"), std::string::npos) << out2;
+  EXPECT_NE(out2.find(std::to_string(before) + " gradient(s) applied before"), std::string::npos)
+      << out2;
+  ExpectModelCount(before + Completed(out2), 2);
+}
+
 TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
   const std::string out = RunLocal(
       {"--servers", "1", "--workers", "3", "--sync", "dsync:1", "--optimizer", "sum", "--model",

@@ -542,6 +542,185 @@ TEST_P(StoreTest, MomentumStartsItsBufferUndampedAndNesterovLooksAhead) {
   EXPECT_EQ(out[0], -0.625f);
 }
 
+// Rounds `first` .. `first + count - 1` of two gradients each, the same for every slice they
+// are applied to.
+Status ApplyRounds(ParamStore& store, SliceKey key, size_t n, const OptimizerConfig& opt,
+                   uint32_t first, uint32_t count) {
+  for (uint32_t round = first; round < first + count; ++round) {
+    const std::vector<std::vector<float>> grads = {Random(n, 700 + 2 * round),
+                                                   Random(n, 701 + 2 * round)};
+    const float* ptrs[] = {grads[0].data(), grads[1].data()};
+    DSYNC_RETURN_IF_ERROR(store.ApplyRound(key, ptrs, opt));
+  }
+  return Status::Ok();
+}
+
+bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// A checkpoint resumes exactly: a slice restored from a snapshot, in the same store or in a
+// fresh one, continues bit for bit as the slice it was taken from. Every optimizer's state
+// and update count must survive for that (momentum's first step and adam's bias correction
+// depend on the count).
+TEST_P(StoreTest, RestoredSlicesContinueBitForBitForEveryOptimizer) {
+  struct Case {
+    const char* what;
+    OptimizerConfig o;
+    size_t state_arrays;
+  };
+  OptimizerConfig nesterov = Optimizer(OptimizerKind::kMomentum);
+  nesterov.nesterov = true;
+  OptimizerConfig damp = Optimizer(OptimizerKind::kMomentum);
+  damp.dampening = 0.3f;
+  const Case cases[] = {{"sum", Optimizer(OptimizerKind::kSum), 0},
+                        {"sgd", Optimizer(OptimizerKind::kSgd), 0},
+                        {"momentum", Optimizer(OptimizerKind::kMomentum), 1},
+                        {"momentum, nesterov", nesterov, 1},
+                        {"momentum, dampening 0.3", damp, 1},
+                        {"adam", Optimizer(OptimizerKind::kAdam), 2},
+                        {"adamw", Optimizer(OptimizerKind::kAdamW), 2}};
+  constexpr size_t n = 4099;
+  constexpr uint32_t kBefore = 3, kAfter = 3;
+  uint32_t slice = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const SliceKey key = MakeSliceKey(80, slice++), copy = MakeSliceKey(80, slice++);
+    const std::vector<float> init = Random(n, 8 + slice);
+    ASSERT_TRUE(store_->InitSlice(key, init).ok());
+    Status st = ApplyRounds(*store_, key, n, c.o, 0, kBefore);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+
+    SliceSnapshot snap;
+    st = store_->Snapshot(key, snap);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(snap.steps, kBefore);
+    ASSERT_EQ(snap.state.size(), c.state_arrays);
+    for (const auto& state : snap.state) EXPECT_EQ(state.size(), n);
+    std::vector<float> now(n, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(store_->Read(key, now).ok());
+    EXPECT_TRUE(SameFloats(snap.params, now));
+
+    st = store_->Restore(copy, snap);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(store_->SliceElements(copy), n);
+    // A snapshot of the restored slice is the snapshot it was restored from.
+    SliceSnapshot again;
+    ASSERT_TRUE(store_->Snapshot(copy, again).ok());
+    EXPECT_EQ(again.steps, snap.steps);
+    EXPECT_TRUE(SameFloats(again.params, snap.params));
+    ASSERT_EQ(again.state.size(), snap.state.size());
+    for (size_t i = 0; i < snap.state.size(); ++i) {
+      EXPECT_TRUE(SameFloats(again.state[i], snap.state[i])) << "state array " << i;
+    }
+
+    std::string skip;
+    std::unique_ptr<ParamStore> fresh = GetParam().make(&skip);
+    ASSERT_TRUE(fresh) << skip;
+    st = fresh->Restore(key, snap);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+
+    for (auto [store, k] : {std::pair{store_.get(), key}, std::pair{store_.get(), copy},
+                            std::pair{fresh.get(), key}}) {
+      st = ApplyRounds(*store, k, n, c.o, kBefore, kAfter);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+    std::vector<float> original(n, std::numeric_limits<float>::quiet_NaN());  // poisoned
+    std::vector<float> restored(n, std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> elsewhere(n, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(store_->Read(key, original).ok());
+    ASSERT_TRUE(store_->Read(copy, restored).ok());
+    ASSERT_TRUE(fresh->Read(key, elsewhere).ok());
+    EXPECT_FALSE(SameFloats(original, now));  // the later rounds moved the weights
+    EXPECT_TRUE(SameFloats(restored, original));
+    EXPECT_TRUE(SameFloats(elsewhere, original));
+  }
+}
+
+// Before any round a slice has no optimizer state and no updates; restored, it is the slice
+// InitSlice makes, and stays so through the rounds that allocate the state.
+TEST_P(StoreTest, ASnapshotBeforeAnyRoundRestoresAsInitSliceWould) {
+  constexpr size_t n = 1027;
+  uint32_t slice = 0;
+  for (OptimizerKind kind : {OptimizerKind::kMomentum, OptimizerKind::kAdam}) {
+    SCOPED_TRACE(std::string(OptimizerName(kind)));
+    const SliceKey key = MakeSliceKey(81, slice++), copy = MakeSliceKey(81, slice++);
+    const std::vector<float> init = Random(n, 20 + slice);
+    ASSERT_TRUE(store_->InitSlice(key, init).ok());
+    SliceSnapshot snap;
+    snap.state.assign(2, std::vector<float>(3, 1.0f));  // resized away by Snapshot
+    snap.steps = 9;
+    ASSERT_TRUE(store_->Snapshot(key, snap).ok());
+    EXPECT_TRUE(snap.state.empty());
+    EXPECT_EQ(snap.steps, 0u);
+    EXPECT_TRUE(SameFloats(snap.params, init));
+    const Status st = store_->Restore(copy, snap);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    for (SliceKey k : {key, copy}) {
+      const Status applied = ApplyRounds(*store_, k, n, Optimizer(kind), 0, 3);
+      ASSERT_TRUE(applied.ok()) << applied.ToString();
+    }
+    std::vector<float> a(n, std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> b(n, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(store_->Read(key, a).ok());
+    ASSERT_TRUE(store_->Read(copy, b).ok());
+    EXPECT_TRUE(SameFloats(a, b));
+  }
+}
+
+TEST_P(StoreTest, BadSnapshotsAreRefusedSayingWhatIsWrong) {
+  constexpr size_t n = 10;
+  const SliceKey key = MakeSliceKey(82, 0), target = MakeSliceKey(82, 5);
+  const OptimizerConfig adam = Optimizer(OptimizerKind::kAdam);
+  ASSERT_TRUE(store_->InitSlice(key, Random(n, 30)).ok());
+  ASSERT_TRUE(ApplyRounds(*store_, key, n, adam, 0, 1).ok());
+  SliceSnapshot good;
+  ASSERT_TRUE(store_->Snapshot(key, good).ok());
+  ASSERT_EQ(good.state.size(), 2u);
+
+  // An unknown slice: as Read says.
+  SliceSnapshot none;
+  std::vector<float> out(n);
+  const Status unknown = store_->Snapshot(MakeSliceKey(82, 9), none);
+  EXPECT_EQ(unknown.code(), StatusCode::kNotFound);
+  EXPECT_EQ(unknown.code(), store_->Read(MakeSliceKey(82, 9), out).code());
+
+  const auto refused = [&](const SliceSnapshot& bad, const std::string& says) {
+    const Status st = store_->Restore(target, bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find("tensor 82 slice 5"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
+    EXPECT_FALSE(store_->HasSlice(target));
+  };
+  SliceSnapshot three = good;
+  three.state.push_back(std::vector<float>(n));
+  refused(three, "has 3 optimizer state arrays; no optimizer has more than 2");
+  SliceSnapshot short_state = good;
+  short_state.state[1].resize(n - 1);
+  refused(short_state, "optimizer state array 1 holds 9 floats, the parameters 10");
+  refused(SliceSnapshot{}, "has no parameters");
+
+  // Over an existing slice: refused as InitSlice is, and the slice is left as it was.
+  std::vector<float> before(n), after(n);
+  ASSERT_TRUE(store_->Read(key, before).ok());
+  SliceSnapshot other = good;
+  for (float& x : other.params) x += 1.0f;
+  const Status exists = store_->Restore(key, other);
+  EXPECT_EQ(exists.code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(exists.code(), store_->InitSlice(key, other.params).code());
+  EXPECT_NE(exists.message().find("already exists"), std::string::npos) << exists.message();
+  ASSERT_TRUE(store_->Read(key, after).ok());
+  EXPECT_TRUE(SameFloats(before, after));
+
+  // Still usable: the good snapshot restores and continues as its slice does.
+  const Status st = store_->Restore(target, good);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  for (SliceKey k : {key, target}) ASSERT_TRUE(ApplyRounds(*store_, k, n, adam, 1, 2).ok());
+  ASSERT_TRUE(store_->Read(key, before).ok());
+  ASSERT_TRUE(store_->Read(target, after).ok());
+  EXPECT_TRUE(SameFloats(before, after));
+}
+
 std::vector<StoreCase> Stores() {
   std::vector<StoreCase> v = {{"cpu", [](std::string*) { return cpu::MakeCpuStore(); }}};
 #if DSYNC_HAVE_CUDA

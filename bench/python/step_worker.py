@@ -58,8 +58,11 @@ else:
     params = [torch.nn.Parameter(torch.full((n,), 0.5)) for n in sizes]
     coeff = [torch.full((n,), 1e-3) for n in sizes]
 
-    def backward():
-        sum((p_ * c).sum() for p_, c in zip(params, coeff)).backward()
+    def backward():  # the same graph as torch_step_worker.cc's (sum() would add 0 + first)
+        loss = (params[0] * coeff[0]).sum()
+        for p_, c in zip(params[1:], coeff[1:]):
+            loss = loss + (p_ * c).sum()
+        loss.backward()
 
     def zero_grads():  # what zero_grad does (torch 1.13: zeroed in place, not dropped)
         for p_ in params:

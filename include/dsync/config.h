@@ -197,6 +197,14 @@ struct Config {
 
   // Scheduler: append every round decision as a JSON line here (audits, tests).
   std::string audit_log;
+  // Scheduler: consistent checkpoints under this directory (docs/contract.md, "Checkpoints"):
+  // every `checkpoint_every` rounds (seconds with checkpoint_every_seconds; 0: only the
+  // final one, when the job ends), each server writes its slices, the scheduler the manifest.
+  std::string checkpoint_dir;
+  uint64_t checkpoint_every = 0;
+  bool checkpoint_every_seconds = false;
+  // Scheduler: start from the newest complete checkpoint under this directory.
+  std::string resume;
   // Server: at the end of the job, write a summary of every slice (version, min, max, sum)
   // as JSON to this directory (server-<id>.json).
   std::string dump_model;

@@ -27,6 +27,7 @@ enum class StatusCode : int {
   kInternal = 11,
   kUnimplemented = 12,
   kResourceExhausted = 13,  // over a quota or a cap (staging, connections)
+  kDataLoss = 14,           // stored data is torn or corrupt (a checkpoint file)
 };
 
 std::string_view StatusCodeName(StatusCode code);

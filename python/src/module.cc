@@ -48,6 +48,7 @@ std::string_view CodeName(dsync::StatusCode code) {
     case C::kInternal: return "internal";
     case C::kUnimplemented: return "unimplemented";
     case C::kResourceExhausted: return "resource_exhausted";
+    case C::kDataLoss: return "data_loss";
   }
   return "unknown";
 }

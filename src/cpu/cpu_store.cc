@@ -38,7 +38,8 @@ FloatBuffer AllocFloats(size_t n, bool zero) {
 struct Slice {
   uint64_t n = 0;
   FloatBuffer params;
-  FloatBuffer state[2];  // momentum: buf; adam, adamw: m, v (allocated on first use)
+  // momentum: buf; adam, adamw: m, v (allocated on first use)
+  FloatBuffer state[ps::kMaxStateArrays];
   uint64_t steps = 0;    // updates applied (adam's t; momentum's first step is 1)
 };
 
@@ -52,14 +53,7 @@ class CpuStore final : public ps::ParamStore {
   void FreeHost(void* ptr, size_t /*bytes*/) override { std::free(ptr); }
 
   Status InitSlice(SliceKey key, std::span<const float> init) override {
-    auto slice = std::make_unique<Slice>();
-    slice->n = init.size();
-    slice->params = AllocFloats(init.size(), false);
-    if (!slice->params) {
-      return Error(StatusCode::kUnavailable, "out of host memory for a slice of {} floats",
-                   init.size());
-    }
-    std::memcpy(slice->params.get(), init.data(), init.size_bytes());
+    DSYNC_ASSIGN_OR_RETURN(std::unique_ptr<Slice> slice, NewSlice(init));
     return slices_.Insert(key, std::move(slice));
   }
 
@@ -140,7 +134,46 @@ class CpuStore final : public ps::ParamStore {
     return Status::Ok();
   }
 
+  Status Snapshot(SliceKey key, ps::SliceSnapshot& out) const override {
+    DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
+    out.params.assign(s->params.get(), s->params.get() + s->n);
+    out.state.clear();
+    for (const FloatBuffer& state : s->state) {
+      if (!state) break;  // allocated in order: momentum's one, adam's two
+      out.state.emplace_back(state.get(), state.get() + s->n);
+    }
+    out.steps = s->steps;
+    return Status::Ok();
+  }
+
+  Status Restore(SliceKey key, const ps::SliceSnapshot& in) override {
+    DSYNC_RETURN_IF_ERROR(ps::CheckSnapshot(key, in));
+    DSYNC_ASSIGN_OR_RETURN(std::unique_ptr<Slice> slice, NewSlice(in.params));
+    for (size_t i = 0; i < in.state.size(); ++i) {
+      slice->state[i] = AllocFloats(slice->n, false);
+      if (!slice->state[i]) {
+        return Error(StatusCode::kUnavailable, "out of host memory for optimizer state");
+      }
+      std::memcpy(slice->state[i].get(), in.state[i].data(), slice->n * sizeof(float));
+    }
+    slice->steps = in.steps;
+    return slices_.Insert(key, std::move(slice));
+  }
+
  private:
+  // A slice holding `init`, not yet in the table.
+  static Result<std::unique_ptr<Slice>> NewSlice(std::span<const float> init) {
+    auto slice = std::make_unique<Slice>();
+    slice->n = init.size();
+    slice->params = AllocFloats(init.size(), false);
+    if (!slice->params) {
+      return Error(StatusCode::kUnavailable, "out of host memory for a slice of {} floats",
+                   init.size());
+    }
+    std::memcpy(slice->params.get(), init.data(), init.size_bytes());
+    return slice;
+  }
+
   ps::SliceTable<Slice> slices_;
 };
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <iterator>
 #include <shared_mutex>
 #include <vector>
 
@@ -33,9 +34,11 @@ Update UpdateOf(OptimizerKind kind) {
 struct Slice {
   uint64_t n = 0;
   DeviceBuffer params;
-  DeviceBuffer state[2];  // momentum: buf; adam, adamw: m, v (allocated, zeroed, on first use)
+  // momentum: buf; adam, adamw: m, v (allocated, zeroed, on first use)
+  DeviceBuffer state[ps::kMaxStateArrays];
   uint64_t steps = 0;
 };
+
 
 // What one call uses: a stream, and the scratch a round copies gradients into. A call holds
 // its lane alone, so rounds and reads issued by different threads at once (the server's
@@ -192,6 +195,57 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_CUDA_RETURN(copied, "reading a slice back");
     DSYNC_CUDA_RETURN(synced, "reading a slice back");
     return Status::Ok();
+  }
+
+  // On the lane's stream, not with cudaMemcpy: the lanes' non-blocking streams do not wait for
+  // the legacy stream, whose copies from pageable memory may return before they are done.
+  Status Snapshot(SliceKey key, ps::SliceSnapshot& out) const override {
+    DSYNC_ASSIGN_OR_RETURN(const Slice* s, slices_.Get(key));
+    DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
+    size_t arrays = 0;
+    while (arrays < std::size(s->state) && s->state[arrays]) ++arrays;  // allocated in order
+    out.params.resize(s->n);
+    out.state.resize(arrays);
+    cudaError_t copied = cudaMemcpyAsync(out.params.data(), s->params.get(),
+                                         s->n * sizeof(float), cudaMemcpyDefault, lane->stream);
+    for (size_t i = 0; i < arrays && copied == cudaSuccess; ++i) {
+      out.state[i].resize(s->n);
+      copied = cudaMemcpyAsync(out.state[i].data(), s->state[i].get(), s->n * sizeof(float),
+                               cudaMemcpyDefault, lane->stream);
+    }
+    const cudaError_t synced = cudaStreamSynchronize(lane->stream);  // even if a copy failed
+    DSYNC_CUDA_RETURN(copied, "copying a slice into a snapshot");
+    DSYNC_CUDA_RETURN(synced, "copying a slice into a snapshot");
+    out.steps = s->steps;
+    return Status::Ok();
+  }
+
+  Status Restore(SliceKey key, const ps::SliceSnapshot& in) override {
+    DSYNC_RETURN_IF_ERROR(ps::CheckSnapshot(key, in));
+    if (HasSlice(key)) {  // before allocating and copying a whole slice for nothing
+      return Error(StatusCode::kAlreadyExists, "slice {:#x} already exists", key);
+    }
+    DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
+    auto slice = std::make_unique<Slice>();
+    slice->n = in.params.size();
+    DSYNC_ASSIGN_OR_RETURN(slice->params, DeviceAlloc(slice->n, "allocating a slice"));
+    for (size_t i = 0; i < in.state.size(); ++i) {
+      DSYNC_ASSIGN_OR_RETURN(slice->state[i],
+                             DeviceAlloc(slice->n, "allocating optimizer state"));
+    }
+    cudaError_t copied = cudaMemcpyAsync(slice->params.get(), in.params.data(),
+                                         slice->n * sizeof(float), cudaMemcpyDefault,
+                                         lane->stream);
+    for (size_t i = 0; i < in.state.size() && copied == cudaSuccess; ++i) {
+      copied = cudaMemcpyAsync(slice->state[i].get(), in.state[i].data(),
+                               slice->n * sizeof(float), cudaMemcpyDefault, lane->stream);
+    }
+    // Even if a copy failed: nothing may still read `in` once this returns.
+    const cudaError_t synced = cudaStreamSynchronize(lane->stream);
+    DSYNC_CUDA_RETURN(copied, "copying a snapshot to the device");
+    DSYNC_CUDA_RETURN(synced, "restoring a slice");
+    slice->steps = in.steps;
+    return slices_.Insert(key, std::move(slice));
   }
 
  private:

@@ -420,6 +420,11 @@ Status Config::Validate() const {
                  "found when it was configured); use --transport tcp, or rebuild with them");
   }
 #endif
+  if (checkpoint_every > 0 && checkpoint_dir.empty()) {
+    return Error(StatusCode::kInvalidArgument,
+                 "--checkpoint-every (DSYNC_CHECKPOINT_EVERY) needs --checkpoint-dir "
+                 "(DSYNC_CHECKPOINT_DIR): where to write them");
+  }
   DSYNC_RETURN_IF_ERROR(ValidateOptimizer(optimizer));
   // Last: a setting that cannot work is the more useful message.
   if (token.empty() && !insecure) {

@@ -141,6 +141,10 @@ std::string EncodeWelcome(const Welcome& w) {
     j["lr_from_round"] = w.learning_rate->first;
     j["lr"] = w.learning_rate->second;
   }
+  if (w.restore) {
+    j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
+                    {"version", w.restore->version}};
+  }
   return j.dump();
 }
 
@@ -206,6 +210,15 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     DSYNC_RETURN_IF_ERROR(Field(j, "lr", &lr));
     if (lr < 0.0f) return Error(StatusCode::kProtocol, "handshake field 'lr' is negative: {}", lr);
     w.learning_rate = std::make_pair(from, lr);
+  }
+  if (j.contains("restore")) {
+    json r;
+    Welcome::Restore restore;
+    DSYNC_RETURN_IF_ERROR(Field(j, "restore", &r));
+    DSYNC_RETURN_IF_ERROR(Field(r, "file", &restore.file));
+    DSYNC_RETURN_IF_ERROR(Field(r, "crc32", &restore.crc32));
+    DSYNC_RETURN_IF_ERROR(Field(r, "version", &restore.version));
+    w.restore = std::move(restore);
   }
   return w;
 }

@@ -61,6 +61,14 @@ struct Welcome {
   // servers: the newest change of the learning rate (its first round, the rate), so that a
   // server joining after it runs with it too.
   std::optional<std::pair<Round, float>> learning_rate;
+  // servers of a resumed job: the checkpoint file to load before taking clients, its CRC-32
+  // (the manifest's) and the version it holds.
+  struct Restore {
+    std::string file;
+    uint32_t crc32 = 0;
+    Version version = 0;
+  };
+  std::optional<Restore> restore;
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

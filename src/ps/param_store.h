@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "dsync/config.h"
 #include "dsync/status.h"
@@ -27,6 +28,43 @@ inline Status CheckRoundWeights(size_t gradients, size_t weights) {
   if (weights == 0 || weights == gradients) return Status::Ok();
   return Error(StatusCode::kInvalidArgument, "a round of {} gradient(s) came with {} weight(s)",
                gradients, weights);
+}
+
+// A slice's whole state, for checkpoints: its parameters, the optimizer state arrays it has
+// (momentum: buf; adam and adamw: m, v; none before the first round that needs them), each
+// as many floats as the parameters, and the number of updates applied (adam's t).
+struct SliceSnapshot {
+  std::vector<float> params;
+  std::vector<std::vector<float>> state;
+  uint64_t steps = 0;
+};
+
+// Optimizers keep at most this many state arrays per slice (adam's m and v).
+constexpr size_t kMaxStateArrays = 2;
+
+// What Restore refuses: no parameters, more state arrays than any optimizer has, or an array
+// of another length than the parameters.
+inline Status CheckSnapshot(SliceKey key, const SliceSnapshot& in) {
+  const uint64_t tensor = key >> 32, index = key & 0xffffffff;
+  if (in.params.empty()) {
+    return Error(StatusCode::kInvalidArgument, "snapshot of tensor {} slice {} has no parameters",
+                 tensor, index);
+  }
+  if (in.state.size() > kMaxStateArrays) {
+    return Error(StatusCode::kInvalidArgument,
+                 "snapshot of tensor {} slice {} has {} optimizer state arrays; no optimizer has "
+                 "more than {}",
+                 tensor, index, in.state.size(), kMaxStateArrays);
+  }
+  for (size_t i = 0; i < in.state.size(); ++i) {
+    if (in.state[i].size() != in.params.size()) {
+      return Error(StatusCode::kInvalidArgument,
+                   "snapshot of tensor {} slice {}: optimizer state array {} holds {} floats, the "
+                   "parameters {}",
+                   tensor, index, i, in.state[i].size(), in.params.size());
+    }
+  }
+  return Status::Ok();
 }
 
 class ParamStore {
@@ -69,6 +107,14 @@ class ParamStore {
   // Copies the slice's parameters into `out` (SliceElements(key) floats of host memory, or of
   // AllocateDevice memory).
   virtual Status Read(SliceKey key, std::span<float> out) const = 0;
+
+  // Checkpoints (host memory, not a hot path). Snapshot copies the slice's parameters,
+  // optimizer state and update count into `out` (its vectors are resized). Restore creates a
+  // slice from a snapshot, as InitSlice does, with that state and count: the next ApplyRound
+  // continues exactly where the snapshot's slice left off. A snapshot with more state arrays
+  // than any optimizer has, or arrays of another length than the parameters, is refused.
+  virtual Status Snapshot(SliceKey key, SliceSnapshot& out) const = 0;
+  virtual Status Restore(SliceKey key, const SliceSnapshot& in) = 0;
 };
 
 }  // namespace dsync::ps

@@ -30,6 +30,8 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kShutdown: return "shutdown";
     case MsgType::kReady: return "ready";
     case MsgType::kLearningRate: return "learning-rate";
+    case MsgType::kCheckpoint: return "checkpoint";
+    case MsgType::kCheckpointDone: return "checkpoint-done";
     case MsgType::kInit: return "init";
     case MsgType::kInitAck: return "init-ack";
     case MsgType::kPush: return "push";
@@ -282,6 +284,21 @@ Status DecodeInit(std::span<const std::byte> meta, InitMeta& out) {
                  st.message());
   }
   out.optimizer = o;
+  return Status::Ok();
+}
+
+void EncodeCheckpointDone(const CheckpointDone& done, std::vector<std::byte>& out) {
+  MetaWriter w(out);
+  w.Put(done.bytes);
+  w.Put(done.crc32);
+  w.PutString(done.file);
+}
+
+Status DecodeCheckpointDone(std::span<const std::byte> meta, CheckpointDone& out) {
+  MetaReader r(meta);
+  if (!r.Get(&out.bytes) || !r.Get(&out.crc32) || !r.GetString(&out.file) || !r.done()) {
+    return Error(StatusCode::kProtocol, "checkpoint-done metadata is malformed");
+  }
   return Status::Ok();
 }
 

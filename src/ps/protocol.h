@@ -31,7 +31,8 @@ static_assert(std::endian::native == std::endian::little, "the wire format is li
 constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
 // 2: node credentials, push receipts and proved commits; per-message header fields.
 // 3: learning-rate changes (kSetLearningRate, kLearningRate), per-tensor optimizers in kInit.
-constexpr uint16_t kProtocolVersion = 3;
+// 4: checkpoints (kCheckpoint, kCheckpointDone; a restore in servers' welcomes).
+constexpr uint16_t kProtocolVersion = 4;
 // Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
@@ -66,6 +67,9 @@ enum class MsgType : uint16_t {
   kReady = 24,      // server -> scheduler: welcome taken, it accepts clients now
   kLearningRate = 25,  // scheduler -> server: round(); meta = lr (LearningRateMeta): every
                        // tensor's lr from that round on; sent before that round's kRound
+  kCheckpoint = 26,      // scheduler -> server: round() = the version to write, once every
+                         // round before it is applied; meta = the checkpoint's directory
+  kCheckpointDone = 27,  // server -> scheduler: round() = that version; meta = CheckpointDone
   // worker <-> server
   kInit = 30,      // tensor(), slice(); meta = InitMeta; payload = initial values
   kInitAck = 31,   // slice_version()
@@ -281,6 +285,15 @@ struct InitMeta {
 };
 void EncodeInit(const InitMeta& meta, std::vector<std::byte>& out);
 Status DecodeInit(std::span<const std::byte> meta, InitMeta& out);
+
+// kCheckpointDone metadata: where the server's file went, or (status != 0) why it failed.
+struct CheckpointDone {
+  std::string file;  // relative to the checkpoint's directory
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+void EncodeCheckpointDone(const CheckpointDone& done, std::vector<std::byte>& out);
+Status DecodeCheckpointDone(std::span<const std::byte> meta, CheckpointDone& out);
 
 // kSetLearningRate and kLearningRate metadata: the learning rate, a float32. Decoding
 // refuses any other length, and a rate that is not finite or is negative.

@@ -37,6 +37,17 @@ bool RoundRule::is_live(WorkerId w) const {
   return it != workers_.end() && it->second.live;
 }
 
+Status RoundRule::StartAt(Round round, Clock clock) {
+  if (!workers_.empty() || stats_.rounds_closed > 0) {
+    return Error(StatusCode::kFailedPrecondition, "a job can only start from a checkpoint before "
+                                                  "any worker joined");
+  }
+  open_round_ = round;
+  start_round_ = round;
+  start_clock_ = clock;
+  return Status::Ok();
+}
+
 Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
   if (workers_.contains(id)) {
     return Error(StatusCode::kAlreadyExists, "worker {} has already joined", id);
@@ -49,12 +60,12 @@ Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
   for (const auto& [other_id, other] : workers_) {
     if (other.live) min_clock = std::min(min_clock.value_or(other.next_clock), other.next_clock);
   }
-  w.next_clock = min_clock.value_or(0);
+  w.next_clock = min_clock.value_or(start_clock_);
   if (RoundMode()) {
     w.join_round = initial ? open_round_ : open_round_ + 1;
     // As if its last gradient had gone to round join_round - 1: the first gradient can then
     // be placed in join_round or earlier within the bound.
-    w.floor = initial ? 0 : SaturatingSub(w.join_round, w.bound);
+    w.floor = initial ? start_round_ : SaturatingSub(w.join_round, w.bound);
   } else {
     w.join_round = open_round_;
     w.floor = mode_.kind == SyncKind::kSsp ? open_round_ : 0;

@@ -74,6 +74,10 @@ class RoundRule {
  public:
   explicit RoundRule(SyncMode mode);
 
+  // A job resumed from a checkpoint of version `round`: rounds continue from it and the
+  // first workers' clocks from `clock`. Only before any worker joined.
+  Status StartAt(Round round, Clock clock);
+
   // Admits a worker. `initial` workers joined before anything was committed and count from
   // the open round; a worker joining a running job counts from the next round and its first
   // pull waits so that its first gradient meets the bound there.
@@ -131,6 +135,8 @@ class RoundRule {
 
   SyncMode mode_;
   Round open_round_ = 0;
+  Round start_round_ = 0;  // StartAt: the version the job started from
+  Clock start_clock_ = 0;  // StartAt: the first workers' first clock
   std::map<WorkerId, WorkerState> workers_;  // ordered: rounds sum in worker-id order
   std::deque<RoundRecord> ready_;            // ssp/asp: rounds decided on commit
   std::vector<GateRelease> releases_;

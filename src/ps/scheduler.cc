@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,8 @@
 #include <unordered_set>
 
 #include "ps/audit_log.h"
+#include "ps/checkpoint.h"
+#include "ps/checkpoint_coordinator.h"
 #include "ps/auto_policy.h"
 #include "ps/delay_payoff.h"
 #include "ps/net_address.h"
@@ -45,7 +48,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
  public:
   SchedulerNode(const Config& config, std::unique_ptr<Transport> transport)
       : cfg_(config), transport_(std::move(transport)), job_key_(RandomJobKey()),
-        rule_(config.sync) {
+        rule_(config.sync), checkpoints_(config, 0) {
     if (config.sync.adaptive) {
       AutoPolicyOptions o;
       o.max_bound = config.sync.bound;
@@ -63,6 +66,16 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   Status Init() {
     DSYNC_RETURN_IF_ERROR(audit_.Open(cfg_.audit_log));
+    if (!cfg_.resume.empty()) DSYNC_RETURN_IF_ERROR(Resume());
+    if (!cfg_.checkpoint_dir.empty()) {
+      // Said now rather than when the first checkpoint is due.
+      std::error_code ec;
+      std::filesystem::create_directories(cfg_.checkpoint_dir, ec);
+      if (ec) {
+        return Error(StatusCode::kInvalidArgument, "--checkpoint-dir {}: cannot create it: {}",
+                     cfg_.checkpoint_dir, ec.message());
+      }
+    }
     if (cfg_.token.empty()) {
       spdlog::warn("scheduler: running without a cluster token (--insecure): anyone who can "
                    "reach {}:{} may join this job",
@@ -92,6 +105,41 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
   uint16_t port() const override { return port_; }
+
+  // --resume: the job continues from the newest complete, sound checkpoint. Rounds go on from
+  // its version, the first workers' clocks too, the gradient budget counts what it holds, and
+  // each server loads its file before it takes clients.
+  Status Resume() {
+    std::vector<std::string> skipped;
+    Result<FoundCheckpoint> found =
+        FindNewestCheckpoint(std::filesystem::absolute(cfg_.resume).string(), &skipped);
+    for (const std::string& why : skipped) {
+      spdlog::warn("scheduler: --resume: refused a checkpoint: {}", why);
+    }
+    if (!found.ok()) return found.status().WithContext("--resume");
+    const CheckpointManifest& m = found->manifest;
+    if (m.num_servers != cfg_.num_servers) {
+      return Error(StatusCode::kInvalidArgument,
+                   "--resume: the checkpoint {} was written by {} server(s); start the job with "
+                   "{} server(s), each holds the slices of its rank",
+                   found->path, m.num_servers, m.num_servers);
+    }
+    if (m.slice_bytes != cfg_.slice_bytes) {
+      return Error(StatusCode::kInvalidArgument,
+                   "--resume: the checkpoint {} cut tensors into slices of {} bytes; start the "
+                   "job with --slice-bytes {}",
+                   found->path, m.slice_bytes, m.slice_bytes);
+    }
+    DSYNC_RETURN_IF_ERROR(rule_.StartAt(m.version, m.version));
+    rounds_announced_ = m.version;
+    learning_rate_ = m.learning_rate;
+    prior_gradients_ = m.gradients_committed;
+    checkpoints_ = CheckpointCoordinator(cfg_, m.version);
+    spdlog::info("scheduler: resuming from {} (version {}, {} gradient(s) applied before)",
+                 found->path, m.version, m.gradients_committed);
+    resumed_ = std::move(found).value();
+    return Status::Ok();
+  }
 
   Status Run() override {
     std::unique_lock lock(mu_);
@@ -256,10 +304,17 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         return;
       }
       const NodeId id = kFirstServerId + static_cast<NodeId>(servers_.size());
-      servers_.push_back({id, peer, hello->host, hello->port, 0, SteadyClock::now(), false});
+      servers_.push_back({id, peer, hello->host, hello->port, rule_.open_round(),
+                          SteadyClock::now(), false});
       peers_[peer] = {PeerKind::kServer, id};
       Welcome w = JobWelcome(id);
       w.job_key = job_key_;
+      if (resumed_) {
+        const CheckpointFile& f = resumed_->manifest.files[ServerRank(id)];
+        w.restore = Welcome::Restore{
+            (std::filesystem::path(resumed_->path) / f.name).string(), f.crc32,
+            resumed_->manifest.version};
+      }
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = h.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
@@ -480,7 +535,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     ack.request = h.request;
     ack.set_round(r->round);
     ack.set_min_version(r->gate.value_or(kNoGate));
-    if (cfg_.max_gradients && rule_.stats().gradients_committed >= cfg_.max_gradients) {
+    if (cfg_.max_gradients &&
+        prior_gradients_ + rule_.stats().gradients_committed >= cfg_.max_gradients) {
       if (!budget_spent_) {
         budget_spent_ = true;
         spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
@@ -553,6 +609,22 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         }
         CheckFinished();
         return;
+      case MsgType::kCheckpointDone: {
+        Result<CheckpointFile> file = Error(StatusCode::kInternal, "not decoded");
+        if (h.status != 0) {
+          file = ErrorFromFrame(h, meta);
+        } else {
+          CheckpointDone done;
+          Status st = DecodeCheckpointDone(meta, done);
+          if (st.ok()) {
+            file = CheckpointFile{ServerRank(id), done.file, done.bytes, done.crc32};
+          } else {
+            file = st;
+          }
+        }
+        if (checkpoints_.Reported(ServerRank(id), h.round(), file)) CheckFinished();
+        return;
+      }
       case MsgType::kError:
         Finish(ErrorFromFrame(h, meta).WithContext(fmt::format("server {}", id)));
         return;
@@ -660,6 +732,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       rounds_announced_ = rec.round + 1;
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
+      if (checkpoints_.Due(rounds_announced_, SteadyClock::now())) BeginCheckpoint();
     }
     for (const GateRelease& g : rule_.TakeGateReleases()) {
       auto wit = workers_.find(g.worker);
@@ -680,6 +753,21 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     for (const ServerEntry& s : servers_) {
       if (s.applied < rule_.open_round()) return;
+    }
+    // The final checkpoint, before anyone is told the job is over; this runs again when it
+    // has settled (written or failed).
+    if (checkpoints_.in_flight()) return;
+    if (checkpoints_.FinalNeeded(rule_.open_round())) {
+      final_checkpoint_ = true;
+      BeginCheckpoint();
+      return;
+    }
+    if (final_checkpoint_ && !checkpoints_.last_result().ok()) {
+      // Training is done, but what the user asked to keep of it is not: say so loudly.
+      FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
+      for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+      Finish(checkpoints_.last_result().WithContext("the job's final checkpoint"));
+      return;
     }
     // Observers get to read the final model before the servers go: they are told the final
     // version and the job waits (bounded) until they leave.
@@ -703,6 +791,22 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
     for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
     Finish(Status::Ok());
+  }
+
+  // Every server writes its slices at version rounds_announced_: the frame follows the last
+  // round before it on each server's ordered connection, so each writes after applying it.
+  void BeginCheckpoint() {
+    CheckpointManifest m;
+    m.version = rounds_announced_;
+    m.num_servers = cfg_.num_servers;
+    m.slice_bytes = cfg_.slice_bytes;
+    m.sync = rule_.mode().ToString();
+    m.gradients_committed = prior_gradients_ + rule_.stats().gradients_placed;
+    m.learning_rate = learning_rate_;
+    const std::string dir = checkpoints_.Begin(std::move(m), SteadyClock::now());
+    FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);
+    h.set_round(rounds_announced_);
+    for (const ServerEntry& s : servers_) (void)transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
   }
 
   // A frame that must leave before the transport shuts down at the end of the job.
@@ -863,6 +967,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   Round rounds_announced_ = 0;
   // The newest change of the learning rate: its first round and the rate (server welcomes).
   std::optional<std::pair<Round, float>> learning_rate_;
+  CheckpointCoordinator checkpoints_;
+  std::optional<FoundCheckpoint> resumed_;  // --resume: what the job started from
+  uint64_t prior_gradients_ = 0;            // applied before that checkpoint
+  bool final_checkpoint_ = false;           // the job's end is being checkpointed
   // The tensors each committed gradient covers, per worker in clock order, until its round
   // goes out.
   std::unordered_map<WorkerId, std::deque<std::pair<Clock, TensorSet>>> pending_tensors_;

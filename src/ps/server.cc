@@ -28,6 +28,7 @@
 #include <unordered_map>
 
 #include "ps/buffer_pool.h"
+#include "ps/checkpoint.h"
 #include "ps/client_registry.h"
 #include "ps/handshake.h"
 #include "ps/net_address.h"
@@ -330,6 +331,9 @@ class ServerNode final : public Server, public TransportHandler {
     // The learning rate every tensor's optimizer runs with in this round, where the job
     // changed it (Worker::SetLearningRate); else each tensor's own.
     std::optional<float> lr;
+    // Not a round: write a checkpoint of version `round` (every round before it applied)
+    // into this directory.
+    std::string checkpoint_dir;
   };
 
   SliceState* FindSlice(uint32_t tensor, uint32_t slice) {
@@ -611,6 +615,12 @@ class ServerNode final : public Server, public TransportHandler {
           if (job_.learning_rate) lr_schedule_[job_.learning_rate->first] = job_.learning_rate->second;
           clients_.Configure(*job_.job_key, job_.id);
           ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync));
+          if (job_.restore) result_ = RestoreCheckpoint(*job_.restore);
+          if (!result_.ok()) {
+            spdlog::error("server {}: {}", id_.load(), result_.message());
+            cv_.notify_all();
+            return;
+          }
           welcomed_ = true;
           // Workers are admitted only once every server said so: none is turned away by a
           // server that has not taken its welcome yet.
@@ -626,7 +636,7 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       case MsgType::kRound: {
-        PendingRound r{h.round(), {}, std::nullopt};
+        PendingRound r{h.round(), {}, std::nullopt, {}};
         Status st = DecodeRound(meta, r.members);
         std::lock_guard lock(mu_);
         if (!st.ok()) {
@@ -655,6 +665,17 @@ class ServerNode final : public Server, public TransportHandler {
       case MsgType::kWorkerGone:
         DiscardUncommitted(h.gone_worker(), h.next_clock());
         return;
+      case MsgType::kCheckpoint: {
+        // Queued behind the rounds before it: the apply thread writes it in order.
+        std::lock_guard lock(mu_);
+        if (meta.empty()) {
+          result_ = Error(StatusCode::kProtocol, "a checkpoint request names no directory");
+        } else {
+          rounds_.push_back(PendingRound{h.round(), {}, std::nullopt, std::string(AsText(meta))});
+        }
+        cv_.notify_all();
+        return;
+      }
       case MsgType::kShutdown: {
         std::lock_guard lock(mu_);
         shutdown_ = true;
@@ -720,6 +741,10 @@ class ServerNode final : public Server, public TransportHandler {
         if (stop_) return;
         r = std::move(rounds_.front());
         rounds_.pop_front();
+      }
+      if (!r.checkpoint_dir.empty()) {
+        ReportCheckpoint(r.round, WriteCheckpoint(r.round, r.checkpoint_dir));
+        continue;
       }
       Status st = r.round == stats_.rounds_applied
                       ? ApplyRound(r, scratch)
@@ -838,6 +863,98 @@ class ServerNode final : public Server, public TransportHandler {
                    "pushed but did not commit",
                    id_.load(), r.round, strays);
     }
+    return Status::Ok();
+  }
+
+  // Every slice here, with its optimizer state, at `version` (the apply thread's: no round
+  // runs meanwhile; pushes may still be staged, which changes no slice).
+  Result<CheckpointFile> WriteCheckpoint(Version version, const std::string& dir) {
+    if (version != stats_.rounds_applied) {
+      return Error(StatusCode::kProtocol, "asked to write version {} after applying {} round(s)",
+                   version, stats_.rounds_applied.load());
+    }
+    ServerCheckpoint c;
+    c.rank = ServerRank(id_);
+    c.num_servers = job_.num_servers;
+    c.version = version;
+    c.slice_bytes = job_.slice_bytes;
+    {
+      std::shared_lock lock(slices_mu_);
+      c.slices.reserve(slice_list_.size());
+      for (SliceState* s : slice_list_) {
+        const TensorMeta& t = tensors_.at(s->tensor);
+        CheckpointSlice cs;
+        cs.tensor = s->tensor;
+        cs.slice = s->index;
+        cs.meta = InitMeta{t.name, t.elements, uint64_t{s->index} * SliceElements(), t.optimizer,
+                           t.shape};
+        std::lock_guard slock(s->mu);
+        DSYNC_RETURN_IF_ERROR(store_->Snapshot(s->key, cs.snapshot));
+        c.slices.push_back(std::move(cs));
+      }
+    }
+    return WriteServerCheckpoint(dir, c);
+  }
+
+  void ReportCheckpoint(Version version, const Result<CheckpointFile>& file) {
+    FrameHeader h = MakeHeader(MsgType::kCheckpointDone, id_);
+    h.set_round(version);
+    if (!file.ok()) {
+      spdlog::error("server {}: checkpoint of version {} failed: {}", id_.load(), version,
+                    file.status().message());
+      h.status = static_cast<uint16_t>(file.status().code());
+      (void)transport_->Send(scheduler_, h, AsBytes(file.status().message()), nullptr, 0);
+      return;
+    }
+    std::vector<std::byte> meta;
+    EncodeCheckpointDone({file->name, file->bytes, file->crc32}, meta);
+    (void)transport_->Send(scheduler_, h, meta, nullptr, 0);
+  }
+
+  // A resumed job: this server's slices as the checkpoint holds them, before any client.
+  Status RestoreCheckpoint(const Welcome::Restore& from) {
+    DSYNC_ASSIGN_OR_RETURN(ServerCheckpoint c, ReadServerCheckpoint(from.file, from.crc32));
+    if (c.rank != ServerRank(id_) || c.num_servers != job_.num_servers ||
+        c.version != from.version || c.slice_bytes != job_.slice_bytes) {
+      return Error(StatusCode::kDataLoss,
+                   "checkpoint file '{}' holds rank {} of {} at version {} with slices of {} "
+                   "bytes, not rank {} of {} at version {} with slices of {} bytes",
+                   from.file, c.rank, c.num_servers, c.version, c.slice_bytes, ServerRank(id_),
+                   job_.num_servers, from.version, job_.slice_bytes);
+    }
+    const uint64_t per = SliceElements();
+    std::unique_lock lock(slices_mu_);
+    for (CheckpointSlice& cs : c.slices) {
+      const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
+      const uint64_t n = cs.snapshot.params.size();
+      if (cs.meta.slice_offset != uint64_t{cs.slice} * per ||
+          n != std::min(per, cs.meta.tensor_elements - std::min(cs.meta.tensor_elements,
+                                                                cs.meta.slice_offset))) {
+        return Error(StatusCode::kDataLoss, "checkpoint file '{}': tensor '{}' slice {} does not "
+                                            "fit the job's slicing",
+                     from.file, cs.meta.name, cs.slice);
+      }
+      DSYNC_RETURN_IF_ERROR(ledger_.Place(
+          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements + per - 1) / per), cs.slice));
+      DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
+                                .WithContext(fmt::format("restoring '{}'", from.file)));
+      auto t = tensors_.try_emplace(cs.tensor,
+                                    TensorMeta{cs.meta.name, cs.meta.tensor_elements,
+                                               cs.meta.optimizer.value_or(job_.optimizer),
+                                               cs.meta.shape});
+      auto s = std::make_unique<SliceState>();
+      s->key = key;
+      s->tensor = cs.tensor;
+      s->index = cs.slice;
+      s->elements = n;
+      s->version = c.version;
+      s->optimizer = t.first->second.optimizer;
+      slice_list_.push_back(s.get());
+      slices_.emplace(key, std::move(s));
+    }
+    stats_.rounds_applied = c.version;
+    spdlog::info("server {}: restored {} slice(s) at version {} from {}", id_.load(),
+                 c.slices.size(), c.version, from.file);
     return Status::Ok();
   }
 

@@ -100,6 +100,18 @@ Status SetSliceBytes(Config& c, std::string_view v) {
   return Status::Ok();
 }
 
+// "N" rounds or "Ns" seconds.
+Status SetCheckpointEvery(Config& c, std::string_view v) {
+  const bool seconds = !v.empty() && v.back() == 's';
+  DSYNC_ASSIGN_OR_RETURN(c.checkpoint_every,
+                         ParseUnsigned("", seconds ? v.substr(0, v.size() - 1) : v, UINT32_MAX));
+  c.checkpoint_every_seconds = seconds;
+  return Status::Ok();
+}
+std::string GetCheckpointEvery(const Config& c) {
+  return fmt::format("{}{}", c.checkpoint_every, c.checkpoint_every_seconds ? "s" : "");
+}
+
 Status SetLinkDelay(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(float ms, ParseFloat("", v));
   if (!(ms >= 0.0f && ms <= 60000.0f)) {
@@ -248,6 +260,17 @@ constexpr Setting kSettings[] = {
   {"DSYNC_AUDIT_LOG", {}, "--audit-log",
    "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
    false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},
+  {"DSYNC_CHECKPOINT_DIR", {}, "--checkpoint-dir",
+   "scheduler: write consistent checkpoints of the model and optimizer state here (each "
+   "server its slices, the scheduler a manifest); one at the end of the job at least",
+   S::kJob, true, false, SetText<&Config::checkpoint_dir>, GetText<&Config::checkpoint_dir>},
+  {"DSYNC_CHECKPOINT_EVERY", {}, "--checkpoint-every",
+   "scheduler: a checkpoint every N rounds, or every N seconds with Ns (0: only at the end)",
+   S::kJob, true, false, SetCheckpointEvery, GetCheckpointEvery},
+  {"DSYNC_RESUME", {}, "--resume",
+   "scheduler: start from the newest complete checkpoint under this directory (a torn or "
+   "corrupt one is refused, naming the file, and the one before it used)", S::kJob, true,
+   false, SetText<&Config::resume>, GetText<&Config::resume>},
   {"DSYNC_DUMP_MODEL", {}, "--dump-model",
    "servers: at the end, write per-slice summaries to this directory", S::kServer, false, false,
    SetText<&Config::dump_model>, GetText<&Config::dump_model>},

@@ -20,6 +20,7 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kInternal: return "internal error";
     case StatusCode::kUnimplemented: return "unimplemented";
     case StatusCode::kResourceExhausted: return "resource exhausted";
+    case StatusCode::kDataLoss: return "data loss";
   }
   return "unknown status";
 }

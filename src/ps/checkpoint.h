@@ -1,0 +1,94 @@
+// Checkpoints on disk: what each server writes of its slices, the manifest the scheduler
+// writes once every server has written its part, and finding the newest complete one.
+//
+//   DIR/ckpt-<version, 12 digits>/server-<rank>.ckpt   one per server, written by it
+//   DIR/ckpt-<version, 12 digits>/MANIFEST.json        written last, by the scheduler
+//
+// A checkpoint is complete only with its manifest, and sound only if every file the
+// manifest names has the size and CRC-32 it records. Every file is written to a temporary
+// name, fsync'd, renamed into place and its directory fsync'd, so a crash leaves either the
+// old state or the new one, never a torn file under the final name.
+//
+// A server file: "DSCKPT01", then (little-endian) u32 rank, u32 servers, u64 version,
+// u64 slice bytes, u32 slices; per slice u32 tensor, u32 slice, u64 elements, u64 steps,
+// u32 state arrays, u32 metadata bytes, the metadata (the tensor's kInit metadata: name,
+// size, offset, optimizer, shape; ps/protocol.h), then the parameters and each state array
+// as float32; last, the CRC-32 (zlib's) of everything before it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dsync/status.h"
+#include "dsync/types.h"
+#include "ps/param_store.h"
+#include "ps/protocol.h"
+
+namespace dsync::ps {
+
+struct CheckpointSlice {
+  TensorId tensor = 0;
+  uint32_t slice = 0;
+  InitMeta meta;  // the tensor: name, elements, this slice's offset, optimizer, shape
+  SliceSnapshot snapshot;
+};
+
+struct ServerCheckpoint {
+  uint32_t rank = 0;
+  uint32_t num_servers = 0;
+  Version version = 0;
+  uint64_t slice_bytes = 0;
+  std::vector<CheckpointSlice> slices;
+};
+
+// Where a server's file went, for the manifest.
+struct CheckpointFile {
+  uint32_t rank = 0;
+  std::string name;  // relative to the checkpoint's directory
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+
+struct CheckpointManifest {
+  Version version = 0;
+  uint32_t num_servers = 0;
+  uint64_t slice_bytes = 0;
+  std::string sync;                  // the job's sync mode, for the record
+  uint64_t gradients_committed = 0;  // by the job up to this version (budgets continue)
+  std::optional<std::pair<Round, float>> learning_rate;  // the newest change, if any
+  std::vector<CheckpointFile> files;                     // one per server rank
+};
+
+// The directory of the checkpoint at `version` under `dir`.
+std::string CheckpointPath(const std::string& dir, Version version);
+
+// Writes the server's file into `checkpoint_dir` (created if missing) atomically.
+Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
+                                             const ServerCheckpoint& checkpoint);
+// Reads a server file, checking its format, every length against the file's size before
+// anything is allocated, and its CRC-32 (and `expected_crc`, the manifest's, when given).
+Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
+                                              std::optional<uint32_t> expected_crc);
+
+// Writes `checkpoint_dir`/MANIFEST.json atomically: from then on the checkpoint is complete.
+Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest& manifest);
+
+struct FoundCheckpoint {
+  std::string path;  // its directory
+  CheckpointManifest manifest;
+};
+// The newest checkpoint under `dir` that is complete and sound: every file the manifest
+// names exists with the recorded size and CRC-32. A newer one that is not (no manifest, a
+// missing, short or corrupt file) is skipped and why is appended to `skipped`, naming the
+// file. NotFound when there is none, saying what was skipped.
+Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
+                                             std::vector<std::string>* skipped);
+
+// Deletes complete checkpoints under `dir` older than the newest `keep` complete ones, and
+// incomplete ones older than the newest complete one. Best effort: failures are logged.
+void PruneCheckpoints(const std::string& dir, size_t keep);
+
+}  // namespace dsync::ps

@@ -1,0 +1,79 @@
+#include "ps/checkpoint_coordinator.h"
+
+#include <spdlog/spdlog.h>
+
+#include <filesystem>
+
+namespace dsync::ps {
+
+CheckpointCoordinator::CheckpointCoordinator(const Config& config, Version start)
+    // Absolute: the servers may run elsewhere in the tree (they get the path from here).
+    : dir_(config.checkpoint_dir.empty() ? std::string()
+                                         : std::filesystem::absolute(config.checkpoint_dir).string()), every_(config.checkpoint_every),
+      every_seconds_(config.checkpoint_every_seconds), start_(start), last_begun_(start),
+      last_begun_at_(Clock::now()) {}
+
+bool CheckpointCoordinator::Due(Version version, Clock::time_point now) const {
+  if (!enabled() || every_ == 0 || pending_ || version <= last_begun_) return false;
+  if (every_seconds_) return now - last_begun_at_ >= std::chrono::seconds(every_);
+  return version % every_ == 0;
+}
+
+bool CheckpointCoordinator::FinalNeeded(Version version) const {
+  return enabled() && !pending_ && version > last_begun_;
+}
+
+std::string CheckpointCoordinator::Begin(CheckpointManifest manifest, Clock::time_point now) {
+  last_begun_ = manifest.version;
+  last_begun_at_ = now;
+  const std::string path = CheckpointPath(dir_, manifest.version);
+  Pending p;
+  p.files.resize(manifest.num_servers);
+  p.manifest = std::move(manifest);
+  p.began = now;
+  pending_ = std::move(p);
+  spdlog::info("scheduler: checkpoint of version {} to {}", last_begun_, path);
+  return path;
+}
+
+bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
+                                     const Result<CheckpointFile>& file) {
+  if (!pending_ || version != pending_->manifest.version || rank >= pending_->files.size()) {
+    return false;
+  }
+  const std::string path = CheckpointPath(dir_, version);
+  if (!file.ok()) {
+    last_result_ = file.status().WithContext(
+        fmt::format("the checkpoint of version {} failed on server rank {}", version, rank));
+    spdlog::error("scheduler: {}; the newest complete checkpoint stands", last_result_.message());
+    pending_.reset();
+    return true;
+  }
+  pending_->files[rank] = *file;
+  for (const auto& f : pending_->files) {
+    if (!f) return false;
+  }
+  CheckpointManifest& m = pending_->manifest;
+  uint64_t bytes = 0;
+  for (const auto& f : pending_->files) {
+    m.files.push_back(*f);
+    bytes += f->bytes;
+  }
+  last_result_ = WriteManifest(path, m);
+  if (!last_result_.ok()) {
+    last_result_ = last_result_.WithContext(
+        fmt::format("the checkpoint of version {} is incomplete", version));
+    spdlog::error("scheduler: {}", last_result_.message());
+  } else {
+    const double s = std::chrono::duration<double>(Clock::now() - pending_->began).count();
+    spdlog::info("scheduler: checkpoint of version {} complete: {} bytes from {} server(s) in "
+                 "{:.2f} s ({})",
+                 version, bytes, m.files.size(), s, path);
+    PruneCheckpoints(dir_, kCheckpointsKept);
+  }
+  pending_.reset();
+  return true;
+}
+
+
+}  // namespace dsync::ps
