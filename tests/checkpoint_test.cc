@@ -3,6 +3,7 @@
 // job that ran through, optimizer state included; a damaged newest checkpoint falls back to
 // the one before it.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -143,8 +144,9 @@ struct JobResult {
   Clock first_clock = 0;
 };
 
-// Runs the workers until their clock reaches `end`, from wherever the job starts them.
-JobResult RunJob(const Config& cfg, Clock end) {
+// Runs the workers until their clock reaches `end`, from wherever the job starts them. The
+// job must end cleanly, unless `finished` is given to take how it ended.
+JobResult RunJob(const Config& cfg, Clock end, Status* finished = nullptr) {
   LocalCluster cluster(cfg);
   EXPECT_TRUE(cluster.ok());
   if (!cluster.ok()) return {};
@@ -171,7 +173,12 @@ JobResult RunJob(const Config& cfg, Clock end) {
     });
   }
   for (auto& t : threads) t.join();
-  EXPECT_TRUE(cluster.WaitFinished().ok());
+  const Status st = cluster.WaitFinished();
+  if (finished) {
+    *finished = st;
+  } else {
+    EXPECT_TRUE(st.ok()) << st.ToString();
+  }
   EXPECT_EQ(results[0].w, results[1].w);
   return results[0];
 }
@@ -199,12 +206,13 @@ TEST(Checkpoint, AStoppedAndResumedBspJobEqualsTheUninterruptedOneBitForBit) {
                                                     "ckpt-000000000010"}));
   EXPECT_EQ(Listing(dir / "ckpt-000000000010"),
             (std::vector<std::string>{"MANIFEST.json", "server-0.ckpt", "server-1.ckpt"}));
-  std::vector<std::string> skipped;
+  std::vector<ps::SkippedCheckpoint> skipped;
   auto found = ps::FindNewestCheckpoint(dir.string(), &skipped);
   ASSERT_TRUE(found.ok()) << found.status().ToString();
   EXPECT_TRUE(skipped.empty());
   EXPECT_EQ(found->manifest.version, 10u);
   EXPECT_EQ(found->manifest.gradients_committed, 10u * kWorkers);
+  EXPECT_EQ(found->manifest.clock, 10u) << "bsp: every worker's clock is the version";
 
   Config second = cfg;
   second.resume = dir.string();
@@ -226,27 +234,39 @@ TEST(Checkpoint, ADamagedNewestCheckpointIsRefusedAndThePreviousOneUsed) {
   (void)RunJob(first, 10);  // checkpoints at 4, 8 and 10
   FlipByte(dir / "ckpt-000000000010" / "server-1.ckpt", 100);
 
-  std::vector<std::string> skipped;
+  std::vector<ps::SkippedCheckpoint> skipped;
   auto found = ps::FindNewestCheckpoint(dir.string(), &skipped);
   ASSERT_TRUE(found.ok()) << found.status().ToString();
   EXPECT_EQ(found->manifest.version, 8u);
   ASSERT_EQ(skipped.size(), 1u);
-  EXPECT_NE(skipped[0].find("ckpt-000000000010/server-1.ckpt"), std::string::npos) << skipped[0];
+  EXPECT_NE(skipped[0].why.find("ckpt-000000000010/server-1.ckpt"), std::string::npos)
+      << skipped[0].why;
 
   Config second = cfg;
   second.resume = dir.string();
   const JobResult resumed = RunJob(second, 14);
   EXPECT_EQ(resumed.first_clock, 8u);
   EXPECT_EQ(0, std::memcmp(resumed.w.data(), through.w.data(), kDim * sizeof(float)));
+  // The refused one was set aside: a later --resume cannot roll back to it.
+  EXPECT_TRUE(fs::exists(dir / "refused-ckpt-000000000010"));
+  EXPECT_FALSE(fs::exists(dir / "ckpt-000000000010"));
 
-  // A checkpoint without its manifest (the job died while writing it) is not complete.
+  // A checkpoint without its manifest (the job died while writing it) is not complete, nor
+  // one whose manifest is no regular file (nothing blocks on a FIFO).
   fs::remove(dir / "ckpt-000000000008" / "MANIFEST.json");
+  ASSERT_EQ(0, mkfifo((dir / "ckpt-000000000008" / "MANIFEST.json").c_str(), 0600));
   skipped.clear();
   found = ps::FindNewestCheckpoint(dir.string(), &skipped);
   ASSERT_TRUE(found.ok());
   EXPECT_EQ(found->manifest.version, 4u);
-  ASSERT_EQ(skipped.size(), 2u);
-  EXPECT_NE(skipped[1].find("no manifest"), std::string::npos) << skipped[1];
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].why.find("not a regular file"), std::string::npos) << skipped[0].why;
+  fs::remove(dir / "ckpt-000000000008" / "MANIFEST.json");
+  skipped.clear();
+  found = ps::FindNewestCheckpoint(dir.string(), &skipped);
+  ASSERT_TRUE(found.ok());
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].why.find("no manifest"), std::string::npos) << skipped[0].why;
   fs::remove_all(dir);
 }
 
@@ -283,6 +303,35 @@ TEST(Checkpoint, ResumingWithAnotherShapeOfJobIsAClearError) {
   ASSERT_FALSE(c.ok());
   EXPECT_NE(c.status().message().find("nothing-here"), std::string::npos) << c.status().message();
   fs::remove_all(dir);
+}
+
+// A checkpoint a server cannot write is said and the job goes on; when that was the final
+// one (here a periodic one falling on the job's last version), the job ends with an error.
+TEST(Checkpoint, AFailedCheckpointIsSaidAndAFailedFinalOneFailsTheJob) {
+  const fs::path dir = FreshDir("failing");
+  // A file where a checkpoint's directory would go: its servers cannot write it.
+  std::ofstream(dir / "ckpt-000000000004") << "in the way";
+  Config cfg = CheckpointJobConfig();
+  cfg.checkpoint_dir = dir.string();
+  cfg.checkpoint_every = 4;
+  Status finished;
+  (void)RunJob(cfg, 10, &finished);
+  EXPECT_TRUE(finished.ok()) << "a periodic failure does not stop the job: "
+                             << finished.ToString();
+  EXPECT_TRUE(fs::exists(dir / "ckpt-000000000008" / "MANIFEST.json"));
+  EXPECT_TRUE(fs::exists(dir / "ckpt-000000000010" / "MANIFEST.json"));
+
+  const fs::path dir2 = FreshDir("failing-final");
+  std::ofstream(dir2 / "ckpt-000000000010") << "in the way";
+  cfg.checkpoint_dir = dir2.string();
+  cfg.checkpoint_every = 5;
+  (void)RunJob(cfg, 10, &finished);
+  ASSERT_FALSE(finished.ok());
+  EXPECT_NE(finished.message().find("final checkpoint"), std::string::npos) << finished.message();
+  EXPECT_NE(finished.message().find("ckpt-000000000010"), std::string::npos) << finished.message();
+  EXPECT_TRUE(fs::exists(dir2 / "ckpt-000000000005" / "MANIFEST.json"));
+  fs::remove_all(dir);
+  fs::remove_all(dir2);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,11 @@ using nlohmann::json;
 constexpr char kMagic[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 constexpr const char* kManifest = "MANIFEST.json";
 constexpr const char* kPrefix = "ckpt-";
+constexpr const char* kRefusedPrefix = "refused-";
+// A manifest is a few hundred bytes per server; anything this large is not one.
+constexpr uint64_t kMaxManifestBytes = 1u << 20;
+// Bytes before a server file's slices: magic, rank, servers, version, slice bytes, count.
+constexpr size_t kHeaderBytes = sizeof(kMagic) + 3 * sizeof(uint32_t) + 2 * sizeof(uint64_t);
 
 uint32_t Crc(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const Bytef*>(data);
@@ -81,16 +87,54 @@ Status WriteAtomically(const std::string& path, const std::vector<std::span<cons
   return SyncDirectory(fs::path(path).parent_path().string());
 }
 
-Result<std::vector<std::byte>> ReadWhole(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Errno("opening", path);
+// Opens a regular file for reading (never blocks on a FIFO or device) and says its size.
+Result<int> OpenRegular(const std::string& path, uint64_t* size) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Error(StatusCode::kDataLoss, "'{}' is missing", path);
+    return Errno("opening", path);
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     Status s = Errno("reading the size of", path);
     close(fd);
     return s;
   }
-  std::vector<std::byte> data(static_cast<size_t>(st.st_size));
+  if (!S_ISREG(st.st_mode)) {
+    close(fd);
+    return Error(StatusCode::kDataLoss, "'{}' is not a regular file", path);
+  }
+  *size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+// Reads up to n bytes at the file's position; fewer only at its end.
+size_t ReadSome(int fd, void* out, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = read(fd, static_cast<char*>(out) + done, n - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) break;
+    done += static_cast<size_t>(r);
+  }
+  return done;
+}
+
+Result<std::vector<std::byte>> ReadWhole(const std::string& path, uint64_t max_bytes) {
+  uint64_t size = 0;
+  DSYNC_ASSIGN_OR_RETURN(const int fd, OpenRegular(path, &size));
+  if (size > max_bytes) {
+    close(fd);
+    return Error(StatusCode::kDataLoss, "'{}' has {} bytes, more than it can hold ({})", path,
+                 size, max_bytes);
+  }
+  std::vector<std::byte> data;
+  try {  // the one allocation the size of a model's shard
+    data.resize(static_cast<size_t>(size));
+  } catch (const std::bad_alloc&) {
+    close(fd);
+    return Error(StatusCode::kResourceExhausted, "no memory to read '{}' ({} bytes)", path, size);
+  }
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = read(fd, data.data() + done, data.size() - done);
@@ -118,13 +162,15 @@ std::optional<Version> VersionOf(const std::string& name) {
   return v;
 }
 
-// Checkpoint directories under `dir`, newest first.
+// Checkpoint directories under `dir`, newest first (none where it cannot be read).
 std::vector<std::pair<Version, fs::path>> Listed(const std::string& dir) {
   std::vector<std::pair<Version, fs::path>> out;
   std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    if (!e.is_directory(ec)) continue;
-    if (auto v = VersionOf(e.path().filename().string())) out.emplace_back(*v, e.path());
+  // The non-throwing forms throughout: a file system error is no reason to abort a node.
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (!it->is_directory(type_ec)) continue;
+    if (auto v = VersionOf(it->path().filename().string())) out.emplace_back(*v, it->path());
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   return out;
@@ -132,7 +178,12 @@ std::vector<std::pair<Version, fs::path>> Listed(const std::string& dir) {
 
 Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
   const std::string path = (fs::path(checkpoint_dir) / kManifest).string();
-  DSYNC_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadWhole(path));
+  std::error_code ec;
+  if (!fs::exists(path, ec) && !ec) {
+    return Error(StatusCode::kDataLoss, "'{}' has no manifest (incomplete: the job stopped while "
+                                        "writing it)", checkpoint_dir);
+  }
+  DSYNC_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadWhole(path, kMaxManifestBytes));
   json j = json::parse(AsText(bytes), nullptr, /*allow_exceptions=*/false);
   const Status bad = Error(StatusCode::kDataLoss, "'{}' is not a checkpoint manifest", path);
   if (!j.is_object()) return bad;
@@ -147,9 +198,12 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
     m.slice_bytes = j.at("slice_bytes").get<uint64_t>();
     m.sync = j.at("sync").get<std::string>();
     m.gradients_committed = j.at("gradients_committed").get<uint64_t>();
+    m.clock = j.at("clock").get<Clock>();
     if (!j.at("learning_rate").is_null()) {
-      m.learning_rate = std::make_pair(j.at("learning_rate").at("from_round").get<Round>(),
-                                       j.at("learning_rate").at("value").get<float>());
+      const Round from = j.at("learning_rate").at("from_round").get<Round>();
+      const double lr = j.at("learning_rate").at("value").get<double>();
+      if (!(lr >= 0 && lr <= 3.4e38) || from > m.version) return bad;  // a float's range
+      m.learning_rate = std::make_pair(from, static_cast<float>(lr));
     }
     for (const json& f : j.at("files")) {
       CheckpointFile cf;
@@ -157,8 +211,8 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
       cf.name = f.at("file").get<std::string>();
       cf.bytes = f.at("bytes").get<uint64_t>();
       cf.crc32 = f.at("crc32").get<uint32_t>();
-      // A name is a plain file name inside the checkpoint's directory, nothing else.
-      if (cf.name.empty() || cf.name.find('/') != std::string::npos || cf.name[0] == '.') return bad;
+      // Exactly the name its rank's server writes: nothing outside the directory.
+      if (cf.name != ServerFileName(cf.rank)) return bad;
       m.files.push_back(std::move(cf));
     }
   } catch (const json::exception&) {  // nlohmann reports a wrong type by throwing
@@ -172,20 +226,57 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
   return m;
 }
 
-// Whether every file the manifest names has its recorded size and CRC-32.
-Status CheckFiles(const std::string& checkpoint_dir, const CheckpointManifest& m) {
-  for (const CheckpointFile& f : m.files) {
-    const std::string path = (fs::path(checkpoint_dir) / f.name).string();
-    std::error_code ec;
-    const uint64_t size = fs::file_size(path, ec);
-    if (ec) return Error(StatusCode::kDataLoss, "'{}' is missing: {}", path, ec.message());
-    if (size != f.bytes) {
-      return Error(StatusCode::kDataLoss, "'{}' has {} bytes, the manifest says {} (torn)", path,
-                   size, f.bytes);
-    }
-    DSYNC_RETURN_IF_ERROR(ReadServerCheckpoint(path, f.crc32).status());
+// Whether a server's file is the one the manifest recorded: a regular file of its size, with
+// the manifest's rank, servers, version and slice size in its header, and its CRC-32,
+// computed as the file streams past (the scheduler never holds a shard in memory).
+Status CheckFile(const std::string& path, const CheckpointFile& f, const CheckpointManifest& m) {
+  uint64_t size = 0;
+  DSYNC_ASSIGN_OR_RETURN(const int fd, OpenRegular(path, &size));
+  const auto done = [&](Status st) {
+    close(fd);
+    return st;
+  };
+  if (size != f.bytes) {
+    return done(Error(StatusCode::kDataLoss, "'{}' has {} bytes, the manifest says {} (torn)",
+                      path, size, f.bytes));
   }
-  return Status::Ok();
+  if (size < kHeaderBytes + sizeof(uint32_t)) {
+    return done(Error(StatusCode::kDataLoss, "'{}' is too short for a checkpoint file", path));
+  }
+  std::vector<std::byte> buf(1u << 20);
+  uint32_t crc = Crc(0, nullptr, 0);
+  uint64_t left = size - sizeof(uint32_t);
+  bool first = true;
+  while (left > 0) {
+    const size_t n = ReadSome(fd, buf.data(), static_cast<size_t>(std::min<uint64_t>(left, buf.size())));
+    if (n == 0) return done(Errno("reading", path));
+    if (first) {
+      first = false;
+      ServerCheckpoint h;
+      MetaReader r(std::span<const std::byte>(buf.data(), n));
+      char magic[sizeof(kMagic)];
+      bool ok = n >= kHeaderBytes;
+      for (char& c : magic) ok = ok && r.Get(&c);
+      ok = ok && std::memcmp(magic, kMagic, sizeof(kMagic)) == 0 && r.Get(&h.rank) &&
+           r.Get(&h.num_servers) && r.Get(&h.version) && r.Get(&h.slice_bytes);
+      if (!ok || h.rank != f.rank || h.num_servers != m.num_servers || h.version != m.version ||
+          h.slice_bytes != m.slice_bytes) {
+        return done(Error(StatusCode::kDataLoss,
+                          "'{}' is not rank {}'s file of this checkpoint (version {}, {} servers, "
+                          "slices of {} bytes)",
+                          path, f.rank, m.version, m.num_servers, m.slice_bytes));
+      }
+    }
+    crc = Crc(crc, buf.data(), n);
+    left -= n;
+  }
+  uint32_t stored = 0;
+  if (ReadSome(fd, &stored, sizeof(stored)) != sizeof(stored)) return done(Errno("reading", path));
+  if (stored != crc || stored != f.crc32) {
+    return done(Error(StatusCode::kDataLoss,
+                      "checkpoint file '{}' is corrupt: its CRC-32 does not match", path));
+  }
+  return done(Status::Ok());
 }
 
 }  // namespace
@@ -194,10 +285,15 @@ std::string CheckpointPath(const std::string& dir, Version version) {
   return (fs::path(dir) / fmt::format("{}{:012}", kPrefix, version)).string();
 }
 
+std::string ServerFileName(uint32_t rank) { return fmt::format("server-{}.ckpt", rank); }
+
 Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
                                              const ServerCheckpoint& c) {
   std::error_code ec;
-  fs::create_directories(checkpoint_dir, ec);
+  if (fs::create_directories(checkpoint_dir, ec)) {
+    // The new directory's entry must be durable before older checkpoints are pruned.
+    DSYNC_RETURN_IF_ERROR(SyncDirectory(fs::path(checkpoint_dir).parent_path().string()));
+  }
   if (ec) {
     return Error(StatusCode::kUnavailable, "cannot create the checkpoint directory '{}': {}",
                  checkpoint_dir, ec.message());
@@ -246,7 +342,7 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
   parts.emplace_back(tail);
   CheckpointFile f;
   f.rank = c.rank;
-  f.name = fmt::format("server-{}.ckpt", c.rank);
+  f.name = ServerFileName(c.rank);
   f.bytes = bytes + tail.size();
   f.crc32 = crc;
   DSYNC_RETURN_IF_ERROR(WriteAtomically((fs::path(checkpoint_dir) / f.name).string(), parts));
@@ -255,7 +351,7 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
 
 Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
                                               std::optional<uint32_t> expected_crc) {
-  DSYNC_ASSIGN_OR_RETURN(std::vector<std::byte> data, ReadWhole(path));
+  DSYNC_ASSIGN_OR_RETURN(std::vector<std::byte> data, ReadWhole(path, ~0ull));
   const auto corrupt = [&](std::string_view what) {
     return Error(StatusCode::kDataLoss, "checkpoint file '{}' is corrupt: {}", path, what);
   };
@@ -281,7 +377,7 @@ Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
       !r.Get(&count)) {
     return corrupt("its header is cut short");
   }
-  size_t at = sizeof(kMagic) + 3 * sizeof(uint32_t) + 2 * sizeof(uint64_t);
+  size_t at = kHeaderBytes;
   for (uint32_t i = 0; i < count; ++i) {
     CheckpointSlice s;
     uint64_t elements = 0;
@@ -326,6 +422,7 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
             {"slice_bytes", m.slice_bytes},
             {"sync", m.sync},
             {"gradients_committed", m.gradients_committed},
+            {"clock", m.clock},
             {"learning_rate", nullptr},
             {"files", files}};
   if (m.learning_rate) {
@@ -336,33 +433,63 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
 }
 
 Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
-                                             std::vector<std::string>* skipped) {
+                                             std::vector<SkippedCheckpoint>* skipped) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) {
     return Error(StatusCode::kNotFound, "'{}' is not a directory of checkpoints", dir);
   }
-  std::vector<std::string> why;
+  std::vector<SkippedCheckpoint> refused;
+  const auto report = [&] {
+    if (skipped) skipped->insert(skipped->end(), refused.begin(), refused.end());
+  };
   for (const auto& [version, path] : Listed(dir)) {
     Result<CheckpointManifest> m = ReadManifest(path.string());
-    Status st = m.ok() ? CheckFiles(path.string(), *m) : m.status();
+    Status st = m.status();
     if (st.ok() && m->version != version) {
       st = Error(StatusCode::kDataLoss, "'{}' names version {}, its directory {}",
                  (path / kManifest).string(), m->version, version);
     }
+    for (size_t i = 0; st.ok() && i < m->files.size(); ++i) {
+      st = CheckFile((path / m->files[i].name).string(), m->files[i], *m);
+    }
     if (st.ok()) {
-      if (skipped) skipped->insert(skipped->end(), why.begin(), why.end());
+      report();
       return FoundCheckpoint{path.string(), std::move(m).value()};
     }
-    if (st.code() == StatusCode::kUnavailable && !fs::exists(path / kManifest, ec)) {
-      st = Error(StatusCode::kDataLoss, "'{}' has no manifest (incomplete: the job stopped while "
-                                        "writing it)", path.string());
+    if (st.code() != StatusCode::kDataLoss) {
+      report();
+      return st.WithContext(fmt::format("reading the checkpoint {}", path.string()));
     }
-    why.push_back(st.message());
+    refused.push_back({path.string(), st.message()});
   }
-  if (skipped) skipped->insert(skipped->end(), why.begin(), why.end());
-  if (why.empty()) return Error(StatusCode::kNotFound, "'{}' holds no checkpoint", dir);
+  report();
+  if (refused.empty()) return Error(StatusCode::kNotFound, "'{}' holds no checkpoint", dir);
+  std::vector<std::string> why;
+  for (const SkippedCheckpoint& r : refused) why.push_back(r.why);
   return Error(StatusCode::kNotFound, "'{}' holds no complete, sound checkpoint: {}", dir,
                fmt::join(why, "; "));
+}
+
+Status CheckUtf8(const std::string& path) {
+  try {  // nlohmann's UTF-8 check is the one the welcome's encoding applies
+    (void)json(path).dump();
+  } catch (const json::exception&) {
+    return Error(StatusCode::kInvalidArgument, "the path '{}' is not valid UTF-8", path);
+  }
+  return Status::Ok();
+}
+
+Status SetAside(const std::string& checkpoint_dir) {
+  const fs::path from(checkpoint_dir);
+  const fs::path to = from.parent_path() / (kRefusedPrefix + from.filename().string());
+  std::error_code ec;
+  fs::remove_all(to, ec);
+  fs::rename(from, to, ec);
+  if (ec) {
+    return Error(StatusCode::kUnavailable, "cannot move the refused checkpoint '{}' aside: {}",
+                 checkpoint_dir, ec.message());
+  }
+  return Status::Ok();
 }
 
 void PruneCheckpoints(const std::string& dir, size_t keep) {

@@ -57,13 +57,18 @@ struct CheckpointManifest {
   uint32_t num_servers = 0;
   uint64_t slice_bytes = 0;
   std::string sync;                  // the job's sync mode, for the record
-  uint64_t gradients_committed = 0;  // by the job up to this version (budgets continue)
+  uint64_t gradients_committed = 0;  // in the rounds before this version (budgets continue)
+  // The clock every live worker's gradients reached in those rounds (their lowest next
+  // clock): a resumed job's first workers start there. In bsp it is the version.
+  Clock clock = 0;
   std::optional<std::pair<Round, float>> learning_rate;  // the newest change, if any
   std::vector<CheckpointFile> files;                     // one per server rank
 };
 
 // The directory of the checkpoint at `version` under `dir`.
 std::string CheckpointPath(const std::string& dir, Version version);
+// The name of the file of the server of `rank`.
+std::string ServerFileName(uint32_t rank);
 
 // Writes the server's file into `checkpoint_dir` (created if missing) atomically.
 Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
@@ -80,12 +85,24 @@ struct FoundCheckpoint {
   std::string path;  // its directory
   CheckpointManifest manifest;
 };
-// The newest checkpoint under `dir` that is complete and sound: every file the manifest
-// names exists with the recorded size and CRC-32. A newer one that is not (no manifest, a
-// missing, short or corrupt file) is skipped and why is appended to `skipped`, naming the
-// file. NotFound when there is none, saying what was skipped.
+struct SkippedCheckpoint {
+  std::string path;  // its directory
+  std::string why;   // names the file and what is wrong with it
+};
+// The newest checkpoint under `dir` that is complete and sound: its manifest is there and
+// every file it names is a regular file with the recorded size, header (rank, servers,
+// version, slice size) and CRC-32 (streamed: nothing is parsed or held in memory). A newer one
+// that is damaged (no manifest; a missing, short, foreign or corrupt file: kDataLoss) is
+// appended to `skipped`; any other error (the disk cannot be read) is returned, since
+// passing over a sound checkpoint would roll the job back. NotFound when there is none.
 Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
-                                             std::vector<std::string>* skipped);
+                                             std::vector<SkippedCheckpoint>* skipped);
+// Paths travel in JSON (a server's welcome names its file): refused unless valid UTF-8.
+Status CheckUtf8(const std::string& path);
+
+// Moves a refused checkpoint aside (DIR/refused-ckpt-...), so that neither a later --resume
+// nor pruning takes it for one of this job's.
+Status SetAside(const std::string& checkpoint_dir);
 
 // Deletes complete checkpoints under `dir` older than the newest `keep` complete ones, and
 // incomplete ones older than the newest complete one. Best effort: failures are logged.

@@ -5,11 +5,21 @@
 #include <filesystem>
 
 namespace dsync::ps {
+namespace {
+
+// Absolute: the servers may run in another directory (they get the path from here). Left
+// as given where the working directory cannot be read.
+std::string Absolute(const std::string& dir) {
+  if (dir.empty()) return dir;
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(dir, ec);
+  return ec ? dir : p.string();
+}
+
+}  // namespace
 
 CheckpointCoordinator::CheckpointCoordinator(const Config& config, Version start)
-    // Absolute: the servers may run elsewhere in the tree (they get the path from here).
-    : dir_(config.checkpoint_dir.empty() ? std::string()
-                                         : std::filesystem::absolute(config.checkpoint_dir).string()), every_(config.checkpoint_every),
+    : dir_(Absolute(config.checkpoint_dir)), every_(config.checkpoint_every),
       every_seconds_(config.checkpoint_every_seconds), start_(start), last_begun_(start),
       last_begun_at_(Clock::now()) {}
 

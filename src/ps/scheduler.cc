@@ -110,13 +110,22 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // its version, the first workers' clocks too, the gradient budget counts what it holds, and
   // each server loads its file before it takes clients.
   Status Resume() {
-    std::vector<std::string> skipped;
-    Result<FoundCheckpoint> found =
-        FindNewestCheckpoint(std::filesystem::absolute(cfg_.resume).string(), &skipped);
-    for (const std::string& why : skipped) {
-      spdlog::warn("scheduler: --resume: refused a checkpoint: {}", why);
+    std::error_code ec;
+    const std::string dir = std::filesystem::absolute(cfg_.resume, ec).string();
+    if (ec) return Error(StatusCode::kInvalidArgument, "--resume {}: {}", cfg_.resume, ec.message());
+    std::vector<SkippedCheckpoint> skipped;
+    Result<FoundCheckpoint> found = FindNewestCheckpoint(dir, &skipped);
+    for (const SkippedCheckpoint& s : skipped) {
+      spdlog::warn("scheduler: --resume: refused a checkpoint: {}", s.why);
     }
     if (!found.ok()) return found.status().WithContext("--resume");
+    if (Status st = CheckUtf8(found->path); !st.ok()) return st.WithContext("--resume");
+    // The refused ones are newer than the one this job continues from: set aside, so that
+    // neither a later --resume nor pruning mistakes them for this job's.
+    for (const SkippedCheckpoint& s : skipped) {
+      if (Status st = SetAside(s.path); !st.ok()) return st.WithContext("--resume");
+      spdlog::warn("scheduler: --resume: moved {} aside", s.path);
+    }
     const CheckpointManifest& m = found->manifest;
     if (m.num_servers != cfg_.num_servers) {
       return Error(StatusCode::kInvalidArgument,
@@ -130,13 +139,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    "job with --slice-bytes {}",
                    found->path, m.slice_bytes, m.slice_bytes);
     }
-    DSYNC_RETURN_IF_ERROR(rule_.StartAt(m.version, m.version));
+    DSYNC_RETURN_IF_ERROR(rule_.StartAt(m.version, m.clock));
     rounds_announced_ = m.version;
     learning_rate_ = m.learning_rate;
     prior_gradients_ = m.gradients_committed;
     checkpoints_ = CheckpointCoordinator(cfg_, m.version);
-    spdlog::info("scheduler: resuming from {} (version {}, {} gradient(s) applied before)",
-                 found->path, m.version, m.gradients_committed);
+    spdlog::info("scheduler: resuming from {} (version {}, clock {}, {} gradient(s) applied "
+                 "before)",
+                 found->path, m.version, m.clock, m.gradients_committed);
     resumed_ = std::move(found).value();
     return Status::Ok();
   }
@@ -435,6 +445,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       ack.request = about.request;
       (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
       workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0, transport_->PeerAddress(peer)};
+      placed_next_clock_[id] = admission->start_clock;
       if (policy_) {
         policy_->Join(id);
         payoff_->MembershipChanged();
@@ -616,6 +627,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         } else {
           CheckpointDone done;
           Status st = DecodeCheckpointDone(meta, done);
+          if (st.ok() && done.file != ServerFileName(ServerRank(id))) {
+            st = Error(StatusCode::kProtocol, "server {} reported the file '{}', not '{}'", id,
+                       done.file, ServerFileName(ServerRank(id)));
+          }
           if (st.ok()) {
             file = CheckpointFile{ServerRank(id), done.file, done.bytes, done.crc32};
           } else {
@@ -725,6 +740,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
       }
       audit_.Round(rec);
+      gradients_in_rounds_ += rec.members.size();
+      for (const RoundMember& m : rec.members) {
+        Clock& next = placed_next_clock_[m.worker];
+        next = std::max(next, m.clock + 1);
+      }
       if (payoff_) {
         payoff_->RoundClosed(
             std::chrono::duration<double>(SteadyClock::now().time_since_epoch()).count(), rec);
@@ -758,11 +778,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // has settled (written or failed).
     if (checkpoints_.in_flight()) return;
     if (checkpoints_.FinalNeeded(rule_.open_round())) {
-      final_checkpoint_ = true;
       BeginCheckpoint();
       return;
     }
-    if (final_checkpoint_ && !checkpoints_.last_result().ok()) {
+    // The newest settled checkpoint is at this version now (the final one, or a periodic
+    // one that fell on it).
+    if (checkpoints_.enabled() && !checkpoints_.last_result().ok()) {
       // Training is done, but what the user asked to keep of it is not: say so loudly.
       FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
       for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
@@ -801,12 +822,29 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     m.num_servers = cfg_.num_servers;
     m.slice_bytes = cfg_.slice_bytes;
     m.sync = rule_.mode().ToString();
-    m.gradients_committed = prior_gradients_ + rule_.stats().gradients_placed;
+    m.gradients_committed = prior_gradients_ + gradients_in_rounds_;
+    m.clock = ResumeClock();
     m.learning_rate = learning_rate_;
+    const Version version = m.version;
     const std::string dir = checkpoints_.Begin(std::move(m), SteadyClock::now());
     FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);
-    h.set_round(rounds_announced_);
-    for (const ServerEntry& s : servers_) (void)transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
+    h.set_round(version);
+    for (const ServerEntry& s : servers_) {
+      Status st = transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
+      if (!st.ok()) (void)checkpoints_.Reported(ServerRank(s.id), version, st);
+    }
+  }
+
+  // Where a job resumed from a checkpoint now starts its workers' clocks: the lowest clock a
+  // live worker's gradients have reached in the rounds sent (the version, in bsp), so none
+  // skips data; with no live worker, the highest.
+  Clock ResumeClock() const {
+    std::optional<Clock> low, high;
+    for (const auto& [w, next] : placed_next_clock_) {
+      high = std::max(high.value_or(next), next);
+      if (rule_.is_live(w)) low = std::min(low.value_or(next), next);
+    }
+    return low.value_or(high.value_or(rounds_announced_));
   }
 
   // A frame that must leave before the transport shuts down at the end of the job.
@@ -892,7 +930,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                        fmt::format("no heartbeat for {} ms", cfg_.heartbeat_timeout_ms));
         }
         for (const ServerEntry& s : servers_) {
-          if (now - s.last_seen > timeout && !transport_->HasUnreadInput(s.peer)) {
+          // A server restoring a checkpoint is busy before it heartbeats; the start timeout
+          // covers one that never gets ready.
+          if (s.ready && now - s.last_seen > timeout && !transport_->HasUnreadInput(s.peer)) {
             Finish(Error(StatusCode::kUnavailable,
                          "server {} stopped answering (no heartbeat for {} ms); the job cannot "
                          "continue without its slices",
@@ -970,7 +1010,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   CheckpointCoordinator checkpoints_;
   std::optional<FoundCheckpoint> resumed_;  // --resume: what the job started from
   uint64_t prior_gradients_ = 0;            // applied before that checkpoint
-  bool final_checkpoint_ = false;           // the job's end is being checkpointed
+  uint64_t gradients_in_rounds_ = 0;        // of this job, in the rounds sent so far
+  // Per worker, the clock after its newest gradient in a round sent so far (checkpoints).
+  std::map<WorkerId, Clock> placed_next_clock_;
   // The tensors each committed gradient covers, per worker in clock order, until its round
   // goes out.
   std::unordered_map<WorkerId, std::deque<std::pair<Clock, TensorSet>>> pending_tensors_;

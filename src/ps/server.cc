@@ -927,7 +927,8 @@ class ServerNode final : public Server, public TransportHandler {
     for (CheckpointSlice& cs : c.slices) {
       const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
       const uint64_t n = cs.snapshot.params.size();
-      if (cs.meta.slice_offset != uint64_t{cs.slice} * per ||
+      if (cs.meta.tensor_elements == 0 || (cs.meta.tensor_elements - 1) / per >= UINT32_MAX ||
+          cs.meta.slice_offset != uint64_t{cs.slice} * per ||
           n != std::min(per, cs.meta.tensor_elements - std::min(cs.meta.tensor_elements,
                                                                 cs.meta.slice_offset))) {
         return Error(StatusCode::kDataLoss, "checkpoint file '{}': tensor '{}' slice {} does not "
@@ -935,7 +936,7 @@ class ServerNode final : public Server, public TransportHandler {
                      from.file, cs.meta.name, cs.slice);
       }
       DSYNC_RETURN_IF_ERROR(ledger_.Place(
-          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements + per - 1) / per), cs.slice));
+          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice));
       DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
                                 .WithContext(fmt::format("restoring '{}'", from.file)));
       auto t = tensors_.try_emplace(cs.tensor,
