@@ -58,7 +58,7 @@ TEST(FrameHeader, EachMessageReadsItsOwnNamedFields) {
   ack.set_min_version(kNoGate);
   EXPECT_EQ(ack.round(), 12u);
   EXPECT_EQ(ack.min_version(), kNoGate);
-  EXPECT_EQ(kProtocolVersion, 3u) << "the wire changed: learning-rate changes, per-tensor optimizers";
+  EXPECT_EQ(kProtocolVersion, 4u) << "the wire changed: checkpoints";
 }
 
 TEST(FrameHeader, StrangersMaySendOneSmallHelloOnly) {

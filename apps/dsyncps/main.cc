@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdio>
 
+#include "checkpoint_cmd.h"
 #include "flags.h"
 #include "launch.h"
 #include "launcher.h"
@@ -213,6 +214,8 @@ int main(int argc, char** argv) {
                   "(dsyncps train --out, examples/pytorch/fmnist_cnn.py --out) or the files")
       ->delimiter(',');
   main_cli.spec.out_dir = "dsyncps-compare";
+  dsync::app::CheckpointCli checkpoint_cli;
+  CLI::App* checkpoint_export = dsync::app::AddCheckpointCommand(app, checkpoint_cli);
   for (CLI::App* sub : {sched, server, worker, loc}) dsync::app::AddNodeFlags(*sub, config, text);
   dsync::app::AddServerFlags(*server, config, text);
   // Rank mode (no subcommand: DSYNC_ROLE or the task rank decides) takes every flag a role
@@ -295,6 +298,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is a success; anything else a usage error
   }
+  if (checkpoint_export->parsed()) return dsync::app::RunCheckpointExport(checkpoint_cli);
   if (trn->parsed() || cmp->parsed()) {
     if (dsync::Status s = dsync::app::ApplyFlagText(main_text, main_config); !s.ok()) {
       std::fprintf(stderr, "dsyncps: error: %s\n", s.ToString().c_str());
