@@ -184,6 +184,42 @@ TEST_F(MultiProcess, AJobResumedFromItsCheckpointKeepsEveryAppliedGradientOnce) 
   ExpectModelCount(before + Completed(out2), 2);
 }
 
+// Ctrl-C (or Slurm's scancel) stops a job that writes checkpoints only once one of where it
+// was is written; the job resumed from it loses nothing that was applied.
+TEST_F(MultiProcess, AnInterruptedJobWritesACheckpointFirstAndResumesFromIt) {
+  const std::string ckpt = (dir_ / "ckpt").string();
+  const std::vector<std::string> job = {"--servers", "2", "--workers", "2", "--sync", "bsp",
+                                        "--optimizer", "sum", "--model", "count",
+                                        "--tensor-elems", "5000", "--slice-bytes", "4096"};
+  std::vector<std::string> first = {DSYNC_BINARY, "local", "--timeout", "100", "--iters",
+                                    "100000", "--compute-ms", "5", "--checkpoint-dir", ckpt,
+                                    "--checkpoint-every", "1000"};
+  first.insert(first.end(), job.begin(), job.end());
+  Proc p(first, {}, dir_ / "interrupted.log");
+  ASSERT_TRUE(p.WaitForOutput("joined (sync bsp", 30s)) << p.Output();
+  std::this_thread::sleep_for(1500ms);
+  p.Signal(SIGINT);
+  const int status = p.Wait(60s);
+  const std::string out1 = p.Output();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 130) << "status " << status << out1;
+  EXPECT_NE(out1.find("stopped; resume the job with --resume"), std::string::npos) << out1;
+  EXPECT_NE(out1.find("scheduler  exit code 0"), std::string::npos) << out1;
+  EXPECT_EQ(out1.find("still running"), std::string::npos) << "nothing had to be killed: " << out1;
+  // The newest checkpoint is the one the stop wrote.
+  fs::path newest;
+  for (const auto& e : fs::directory_iterator(ckpt)) newest = std::max(newest, e.path());
+  ASSERT_TRUE(fs::exists(newest / "MANIFEST.json")) << out1;
+  const json manifest = json::parse(std::ifstream(newest / "MANIFEST.json"));
+  const uint64_t before = manifest["gradients_committed"].get<uint64_t>();
+  EXPECT_GT(manifest["version"].get<uint64_t>(), 0u);
+  EXPECT_EQ(before, 2 * manifest["version"].get<uint64_t>()) << "bsp: two gradients a round";
+  std::vector<std::string> second = job;
+  second.insert(second.end(), {"--iters", "5", "--resume", ckpt});
+  const std::string out2 = RunLocal(second);
+  EXPECT_NE(out2.find("resuming from " + newest.string()), std::string::npos) << out2;
+  ExpectModelCount(before + Completed(out2), 2);
+}
+
 TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
   const std::string out = RunLocal(
       {"--servers", "1", "--workers", "3", "--sync", "dsync:1", "--optimizer", "sum", "--model",

@@ -448,6 +448,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   std::optional<SteadyClock::time_point> workers_gone;
   std::optional<SteadyClock::time_point> scheduler_gone;
   std::optional<SteadyClock::time_point> terminated;  // when the launcher sent SIGTERM to all
+  // A job that writes checkpoints writes one when stopped: its processes get the time for it.
+  const std::chrono::seconds grace_after_stop =
+      kGraceAfterStop + std::chrono::seconds(job.checkpoint_dir.empty() ? 0 : kStopCheckpointSeconds);
   // Stops the job at once for `why`, unless it is already ending.
   auto stop_job = [&](const std::string& why) {
     if (!outcome.failure.empty() || outcome.interrupted || outcome.timed_out || scheduler_gone) {
@@ -543,9 +546,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     }
     // A process that does not stop when asked (hung, stopped, its signal not handled yet)
     // is killed after a grace period, not waited for until the job's timeout.
-    if (terminated && SteadyClock::now() - *terminated > kGraceAfterStop) {
+    if (terminated && SteadyClock::now() - *terminated > grace_after_stop) {
       kill_all(SIGKILL, fmt::format("still running {} s after it was asked to stop",
-                                    kGraceAfterStop.count()));
+                                    grace_after_stop.count()));
     }
     if (!outcome.timed_out && SteadyClock::now() > deadline) {
       outcome.timed_out = true;

@@ -124,6 +124,13 @@ Result<GpuDirectMode> ParseGpuDirect(std::string_view text);
 // The scheduler port every task of Slurm job `job_id`, step `step_id` derives alike.
 uint16_t SlurmSchedulerPort(uint64_t job_id, uint64_t step_id);
 
+// A job that writes checkpoints and is asked to stop (SIGTERM, SIGINT: Ctrl-C, Slurm's
+// scancel or preemption) first writes one of where it is: the scheduler waits this long for it,
+// servers keep serving the scheduler up to this long (and a few seconds more), and launchers
+// give their processes that much more time before they kill them. Within Slurm's default
+// KillWait (30 s).
+inline constexpr uint32_t kStopCheckpointSeconds = 20;
+
 struct Config {
   Role role = Role::kWorker;
 

@@ -141,6 +141,7 @@ std::string EncodeWelcome(const Welcome& w) {
     j["lr_from_round"] = w.learning_rate->first;
     j["lr"] = w.learning_rate->second;
   }
+  if (w.checkpoints) j["checkpoints"] = true;
   if (w.restore) {
     j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
                     {"version", w.restore->version}};
@@ -211,6 +212,7 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     if (lr < 0.0f) return Error(StatusCode::kProtocol, "handshake field 'lr' is negative: {}", lr);
     w.learning_rate = std::make_pair(from, lr);
   }
+  if (j.contains("checkpoints")) DSYNC_RETURN_IF_ERROR(Field(j, "checkpoints", &w.checkpoints));
   if (j.contains("restore")) {
     json r;
     Welcome::Restore restore;

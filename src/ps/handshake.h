@@ -69,6 +69,7 @@ struct Welcome {
     Version version = 0;
   };
   std::optional<Restore> restore;
+  bool checkpoints = false;  // servers: the job writes checkpoints (a stop waits for one)
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

@@ -59,7 +59,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   ~SchedulerNode() override {
     if (!rendezvous_host_.empty()) RemoveRendezvous(cfg_.rendezvous, rendezvous_host_, port_);
-    Stop();
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
     if (monitor_.joinable()) monitor_.join();
     transport_->Shutdown();
   }
@@ -154,7 +158,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   Status Run() override {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return finished_ || stop_; });
-    if (finished_ && result_.ok()) {
+    if ((finished_ && result_.ok()) || stopping_) {
       // Let the last acknowledgements and the shutdown frames leave first.
       cv_.wait_for(lock, std::chrono::seconds(5), [&] { return final_frames_in_flight_ == 0; });
     }
@@ -168,8 +172,23 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     return result;
   }
 
+  // With checkpoints, the job's state is written first (bounded by kStopCheckpointSeconds):
+  // a stopped or preempted job resumes from where it stopped.
   void Stop() override {
     std::lock_guard lock(mu_);
+    if (checkpoints_.enabled() && !finished_ && !stop_) {
+      if (stopping_) return;
+      stopping_ = true;
+      stop_deadline_ = SteadyClock::now() + std::chrono::seconds(kStopCheckpointSeconds);
+      if (!checkpoints_.in_flight() && checkpoints_.FinalNeeded(rounds_announced_)) {
+        BeginCheckpoint();
+      }
+      spdlog::warn("scheduler: stopping once the checkpoint of version {} is written (at most "
+                   "{} s)",
+                   rounds_announced_, kStopCheckpointSeconds);
+      StopIfCheckpointSettled();
+      return;
+    }
     stop_ = true;
     cv_.notify_all();
   }
@@ -238,7 +257,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (it == peers_.end()) return;
     const PeerInfo info = it->second;
     peers_.erase(it);
-    if (finished_) return;
+    if (finished_ || stop_) return;  // the job is over: servers told so go
     if (info.kind == PeerKind::kObserver) {
       std::erase_if(waiting_observers_, [&](const WaitingObserver& w) { return w.peer == peer; });
       observers_.erase(info.id);
@@ -319,6 +338,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       peers_[peer] = {PeerKind::kServer, id};
       Welcome w = JobWelcome(id);
       w.job_key = job_key_;
+      w.checkpoints = checkpoints_.enabled();
       if (resumed_) {
         const CheckpointFile& f = resumed_->manifest.files[ServerRank(id)];
         w.restore = Welcome::Restore{
@@ -637,7 +657,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
             file = st;
           }
         }
-        if (checkpoints_.Reported(ServerRank(id), h.round(), file)) CheckFinished();
+        if (checkpoints_.Reported(ServerRank(id), h.round(), file)) {
+          StopIfCheckpointSettled();
+          CheckFinished();
+        }
         return;
       }
       case MsgType::kError:
@@ -814,6 +837,22 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Finish(Status::Ok());
   }
 
+  // Stopping (Stop with checkpoints): once no checkpoint is in flight, the servers are told the
+  // job is over and the scheduler stops.
+  void StopIfCheckpointSettled() {
+    if (!stopping_ || stop_ || checkpoints_.in_flight()) return;
+    if (checkpoints_.last_result().ok()) {
+      spdlog::info("scheduler: stopped; resume the job with --resume {}", cfg_.checkpoint_dir);
+    } else {
+      spdlog::error("scheduler: stopped without a checkpoint of where it was ({})",
+                    checkpoints_.last_result().message());
+    }
+    FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
+    for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+    stop_ = true;
+    cv_.notify_all();
+  }
+
   // Every server writes its slices at version rounds_announced_: the frame follows the last
   // round before it on each server's ordered connection, so each writes after applying it.
   void BeginCheckpoint() {
@@ -953,6 +992,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         }
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
+      if (stopping_ && !stop_ && now > stop_deadline_) {
+        spdlog::error("scheduler: the checkpoint was not written within {} s of the stop; "
+                      "stopping without it",
+                      kStopCheckpointSeconds);
+        FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
+        for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+        stop_ = true;
+        cv_.notify_all();
+      }
     }
   }
 
@@ -1011,6 +1059,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::optional<FoundCheckpoint> resumed_;  // --resume: what the job started from
   uint64_t prior_gradients_ = 0;            // applied before that checkpoint
   uint64_t gradients_in_rounds_ = 0;        // of this job, in the rounds sent so far
+  bool stopping_ = false;                   // Stop() waits for a checkpoint
+  SteadyClock::time_point stop_deadline_;
   // Per worker, the clock after its newest gradient in a round sent so far (checkpoints).
   std::map<WorkerId, Clock> placed_next_clock_;
   // The tensors each committed gradient covers, per worker in clock order, until its round

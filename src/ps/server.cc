@@ -51,7 +51,11 @@ class ServerNode final : public Server, public TransportHandler {
         device_pool_(store_.get(), transport_.get(), BufferPool::Memory::kDevice) {}
 
   ~ServerNode() override {
-    Stop();
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+      cv_.notify_all();
+    }
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
@@ -169,7 +173,16 @@ class ServerNode final : public Server, public TransportHandler {
 
   Status Run() override {
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return shutdown_ || stop_ || !result_.ok(); });
+    while (!shutdown_ && !stop_ && result_.ok()) {
+      if (!draining_) {
+        cv_.wait(lock);
+      } else if (cv_.wait_until(lock, drain_deadline_) == std::cv_status::timeout) {
+        spdlog::warn("server {}: the scheduler did not end the job within {} s of the stop; "
+                     "stopping",
+                     id_.load(), kStopCheckpointSeconds + kDrainMarginSeconds);
+        break;
+      }
+    }
     Status result = result_;
     stop_ = true;
     cv_.notify_all();
@@ -182,8 +195,22 @@ class ServerNode final : public Server, public TransportHandler {
     return result;
   }
 
+  // In a job that writes checkpoints, the scheduler writes one when it is stopped: a server
+  // asked to stop too (a signal to every task, as Slurm sends) keeps serving it until the
+  // scheduler ends the job or goes, bounded.
   void Stop() override {
     std::lock_guard lock(mu_);
+    if (welcomed_ && job_.checkpoints && !stop_ && !shutdown_) {
+      if (!draining_) {
+        draining_ = true;
+        drain_deadline_ = std::chrono::steady_clock::now() +
+                          std::chrono::seconds(kStopCheckpointSeconds + kDrainMarginSeconds);
+        spdlog::warn("server {}: stopping once the scheduler has its checkpoint (at most {} s)",
+                     id_.load(), kStopCheckpointSeconds + kDrainMarginSeconds);
+      }
+      cv_.notify_all();
+      return;
+    }
     stop_ = true;
     cv_.notify_all();
   }
@@ -215,7 +242,9 @@ class ServerNode final : public Server, public TransportHandler {
   void OnDisconnected(PeerId peer, const Status& why) override {
     if (peer == scheduler_) {
       std::lock_guard lock(mu_);
-      if (!shutdown_ && !stop_ && result_.ok()) {
+      if (draining_) {
+        stop_ = true;  // stopping anyway: the scheduler stopped first
+      } else if (!shutdown_ && !stop_ && result_.ok()) {
         result_ = Error(StatusCode::kUnavailable, "lost the scheduler: {}", why.message());
         spdlog::error("server {}: {}", id_.load(), result_.message());
       }
@@ -1023,6 +1052,10 @@ class ServerNode final : public Server, public TransportHandler {
   bool welcomed_ = false;
   bool shutdown_ = false;
   bool stop_ = false;
+  bool draining_ = false;  // asked to stop; the scheduler may still want a checkpoint
+  std::chrono::steady_clock::time_point drain_deadline_;
+  // Beyond the scheduler's wait: its shutdown frame has time to arrive.
+  static constexpr uint32_t kDrainMarginSeconds = 5;
   Status result_;
   std::deque<PendingRound> rounds_;
   std::map<Round, float> lr_schedule_;  // round -> the job's learning rate from it on
