@@ -847,6 +847,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       spdlog::error("scheduler: stopped without a checkpoint of where it was ({})",
                     checkpoints_.last_result().message());
     }
+    EndStopping();
+  }
+
+  // The servers are told the job is over; the scheduler stops.
+  void EndStopping() {
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
     for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
     stop_ = true;
@@ -996,10 +1001,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         spdlog::error("scheduler: the checkpoint was not written within {} s of the stop; "
                       "stopping without it",
                       kStopCheckpointSeconds);
-        FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-        for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
-        stop_ = true;
-        cv_.notify_all();
+        EndStopping();
       }
     }
   }
