@@ -22,65 +22,76 @@ struct Assembled {
   std::string name;
   std::vector<uint64_t> shape;
   std::vector<float> values;
-  uint64_t filled = 0;  // elements placed so far
 };
 
-// The checkpoint: DIR itself when it holds a manifest, else the newest sound one under it.
+// The checkpoint: DIR itself when it holds a manifest (any sound one, not only the newest),
+// else the newest sound one under it.
 Result<ps::FoundCheckpoint> Locate(const std::string& dir) {
   std::error_code ec;
-  const fs::path p(dir);
-  std::vector<ps::SkippedCheckpoint> skipped;
+  fs::path p = fs::absolute(dir, ec).lexically_normal();
+  if (ec) return Error(StatusCode::kInvalidArgument, "'{}': {}", dir, ec.message());
+  if (p.filename().empty()) p = p.parent_path();  // "ckpt-5/" as tab completion gives it
   if (fs::exists(p / "MANIFEST.json", ec)) {
-    // One checkpoint named directly: checked the same way, as the only candidate.
-    auto found = ps::FindNewestCheckpoint(p.parent_path().string(), &skipped);
-    if (found.ok() && fs::equivalent(found->path, p, ec)) return found;
-    for (const ps::SkippedCheckpoint& s : skipped) {
-      if (fs::equivalent(s.path, p, ec)) return Error(StatusCode::kDataLoss, "{}", s.why);
-    }
-    if (!found.ok()) return found.status();
-    return Error(StatusCode::kInvalidArgument,
-                 "'{}' is not the newest sound checkpoint of its directory ('{}' is); pass the "
-                 "directory to export the newest",
-                 dir, found->path);
+    DSYNC_ASSIGN_OR_RETURN(ps::CheckpointManifest m, ps::ReadCheckpoint(p.string()));
+    return ps::FoundCheckpoint{p.string(), std::move(m)};
   }
-  auto found = ps::FindNewestCheckpoint(dir, &skipped);
+  std::vector<ps::SkippedCheckpoint> skipped;
+  auto found = ps::FindNewestCheckpoint(p.string(), &skipped);
   for (const ps::SkippedCheckpoint& s : skipped) {
     std::fprintf(stderr, "dsyncps: warning: refused a checkpoint: %s\n", s.why.c_str());
   }
   return found;
 }
 
-// Every tensor whole, from every server's slices, in tensor-id order.
+// Every tensor whole, from every server's slices, in tensor-id order. The slices must tile
+// each tensor exactly (no gap, no overlap, one name per tensor) before anything the size of
+// a tensor is allocated: a damaged file cannot make it allocate what it claims.
 Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
-  std::map<TensorId, Assembled> tensors;
+  std::vector<ps::ServerCheckpoint> files;
   for (const ps::CheckpointFile& f : found.manifest.files) {
     const std::string path = (fs::path(found.path) / f.name).string();
     DSYNC_ASSIGN_OR_RETURN(ps::ServerCheckpoint c, ps::ReadServerCheckpoint(path, f.crc32));
-    for (ps::CheckpointSlice& s : c.slices) {
-      Assembled& t = tensors[s.tensor];
-      if (t.values.empty()) {
-        t.name = s.meta.name;
-        t.shape = s.meta.shape.empty() ? std::vector<uint64_t>{s.meta.tensor_elements}
-                                       : s.meta.shape;
-        t.values.assign(s.meta.tensor_elements, 0.0f);
+    files.push_back(std::move(c));
+  }
+  std::map<TensorId, std::vector<const ps::CheckpointSlice*>> slices;
+  for (const ps::ServerCheckpoint& c : files) {
+    for (const ps::CheckpointSlice& s : c.slices) slices[s.tensor].push_back(&s);
+  }
+  std::map<std::string, TensorId> names;
+  for (auto& [id, list] : slices) {
+    std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
+      return a->meta.slice_offset < b->meta.slice_offset;
+    });
+    const ps::InitMeta& first = list.front()->meta;
+    uint64_t end = 0;
+    for (const ps::CheckpointSlice* s : list) {
+      if (s->meta.name != first.name || s->meta.tensor_elements != first.tensor_elements ||
+          s->meta.slice_offset != end) {
+        return Error(StatusCode::kDataLoss,
+                     "checkpoint {}: tensor {} ('{}') is not cut into slices that follow each "
+                     "other (slice {} at element {}, expected {})",
+                     found.path, id, first.name, s->slice, s->meta.slice_offset, end);
       }
-      const uint64_t n = s.snapshot.params.size();
-      if (t.name != s.meta.name || t.values.size() != s.meta.tensor_elements ||
-          s.meta.slice_offset > t.values.size() || n > t.values.size() - s.meta.slice_offset) {
-        return Error(StatusCode::kDataLoss, "'{}': tensor {} slice {} does not fit the tensor "
-                                            "'{}' of {} elements",
-                     path, s.tensor, s.slice, t.name, t.values.size());
-      }
-      std::copy(s.snapshot.params.begin(), s.snapshot.params.end(),
-                t.values.begin() + static_cast<std::ptrdiff_t>(s.meta.slice_offset));
-      t.filled += n;
+      end += s->snapshot.params.size();
+    }
+    if (end != first.tensor_elements) {
+      return Error(StatusCode::kDataLoss, "checkpoint {}: tensor '{}' has {} of its {} elements",
+                   found.path, first.name, end, first.tensor_elements);
+    }
+    if (!names.emplace(first.name, id).second) {
+      return Error(StatusCode::kDataLoss, "checkpoint {}: tensors {} and {} are both named '{}'",
+                   found.path, names[first.name], id, first.name);
     }
   }
   std::vector<Assembled> out;
-  for (auto& [id, t] : tensors) {
-    if (t.filled != t.values.size()) {
-      return Error(StatusCode::kDataLoss, "checkpoint {}: tensor '{}' has {} of its {} elements",
-                   found.path, t.name, t.filled, t.values.size());
+  for (const auto& [id, list] : slices) {
+    const ps::InitMeta& meta = list.front()->meta;
+    Assembled t;
+    t.name = meta.name;
+    t.shape = meta.shape.empty() ? std::vector<uint64_t>{meta.tensor_elements} : meta.shape;
+    t.values.reserve(meta.tensor_elements);  // the sum of slices that exist: bounded by the files
+    for (const ps::CheckpointSlice* s : list) {
+      t.values.insert(t.values.end(), s->snapshot.params.begin(), s->snapshot.params.end());
     }
     out.push_back(std::move(t));
   }
@@ -105,6 +116,7 @@ int RunPython(const char* python, const char* script, std::vector<std::string> a
   while (waitpid(pid, &status, 0) < 0) {
     if (errno != EINTR) return -1;
   }
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
@@ -137,7 +149,9 @@ CLI::App* AddCheckpointCommand(CLI::App& app, CheckpointCli& cli) {
   return exp;
 }
 
-int RunCheckpointExport(const CheckpointCli& cli) {
+namespace {
+
+int ExportOrFail(const CheckpointCli& cli) {
   auto fail = [](const Status& st) {
     std::fprintf(stderr, "dsyncps: error: %s\n", st.ToString().c_str());
     return 1;
@@ -175,12 +189,17 @@ int RunCheckpointExport(const CheckpointCli& cli) {
                            "wrote NumPy arrays instead: %s (numpy.load)\n", fallback.c_str());
       out = fallback;
     } else {
-      const int rc = RunPython(python, kToTorch, {npz, out}, /*quiet=*/false);
+      // Into a temporary name first: a failed or killed conversion leaves no partial file.
+      const std::string partial = out + ".tmp";
+      const int rc = RunPython(python, kToTorch, {npz, partial}, /*quiet=*/false);
       fs::remove(npz, ec);
-      if (rc != 0) {
+      if (rc == 0) fs::rename(partial, out, ec);
+      if (rc != 0 || ec) {
+        fs::remove(partial, ec);
         return fail(Error(StatusCode::kUnavailable,
-                          "{} could not write the state dict '{}' (exit status {}; its error "
-                          "above)", python, out, rc));
+                          "{} could not write the state dict '{}' ({}; its error above)", python,
+                          out, rc > 128 ? fmt::format("killed by signal {}", rc - 128)
+                                        : fmt::format("exit status {}", rc)));
       }
     }
   }
@@ -189,6 +208,17 @@ int RunCheckpointExport(const CheckpointCli& cli) {
               static_cast<unsigned long long>(found->manifest.version), found->path.c_str(),
               out.c_str());
   return 0;
+}
+
+}  // namespace
+
+int RunCheckpointExport(const CheckpointCli& cli) {
+  try {
+    return ExportOrFail(cli);
+  } catch (const std::bad_alloc&) {  // a model larger than this machine's memory
+    std::fprintf(stderr, "dsyncps: error: not enough memory to export '%s'\n", cli.dir.c_str());
+    return 1;
+  }
 }
 
 }  // namespace dsync::app

@@ -464,7 +464,8 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   for (;;) {
     const auto now = SteadyClock::now();
     for (Child& c : children) {
-      if (c.started || c.exited || now < c.start_at || scheduler_gone) continue;
+      // Nothing new starts once the job is stopping.
+      if (c.started || c.exited || now < c.start_at || scheduler_gone || terminated) continue;
       if (c.on_demand && !(hooks.start_worker && hooks.start_worker(c.index))) continue;
       if (c.is_worker) {
         SpawnWorker(c);
@@ -495,11 +496,17 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
       SignalNote note{};
       (void)!read(g_signal_pipe[0], &note, sizeof note);
       const int sig = note.sig;
-      outcome.interrupted = sig;
-      std::fprintf(stderr, "dsyncps: signal %d from %s; stopping the cluster\n", sig,
-                   DescribeSender(note.sender).c_str());
-      kill_all(SIGTERM, fmt::format("the launcher got signal {}", sig));
-      terminated = SteadyClock::now();
+      if (outcome.interrupted) {
+        // Asked again while stopping (a checkpoint may be being written): at once.
+        std::fprintf(stderr, "dsyncps: signal %d again; killing the cluster\n", sig);
+        kill_all(SIGKILL, fmt::format("the launcher got signal {} twice", sig));
+      } else {
+        outcome.interrupted = sig;
+        std::fprintf(stderr, "dsyncps: signal %d from %s; stopping the cluster\n", sig,
+                     DescribeSender(note.sender).c_str());
+        kill_all(SIGTERM, fmt::format("the launcher got signal {}", sig));
+        if (!terminated) terminated = SteadyClock::now();
+      }
     }
     for (Child& c : children) {
       if (!c.started || c.exited) continue;

@@ -45,6 +45,9 @@ std::string NpyHeader(const std::vector<uint64_t>& shape) {
   return h + dict;
 }
 
+// General purpose flag bit 11 (APPNOTE 4.4.4): names are UTF-8, as tensor names may be.
+constexpr uint16_t kUtf8Names = 1u << 11;
+
 struct Entry {
   std::string name;
   uint32_t crc = 0;
@@ -85,7 +88,7 @@ Status WriteNpz(const std::string& path, std::span<const NpzArray> arrays) {
     // Local file header (APPNOTE 4.3.7): stored, no data descriptor.
     out.Le<uint32_t>(0x04034b50);
     out.Le<uint16_t>(20);
-    out.Le<uint16_t>(0);
+    out.Le<uint16_t>(kUtf8Names);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(0x21);  // 1980-01-01
@@ -104,7 +107,7 @@ Status WriteNpz(const std::string& path, std::span<const NpzArray> arrays) {
     out.Le<uint32_t>(0x02014b50);
     out.Le<uint16_t>(20);
     out.Le<uint16_t>(20);
-    out.Le<uint16_t>(0);
+    out.Le<uint16_t>(kUtf8Names);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(0x21);

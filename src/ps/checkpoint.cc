@@ -432,6 +432,14 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
   return WriteAtomically((fs::path(checkpoint_dir) / kManifest).string(), {AsBytes(text)});
 }
 
+Result<CheckpointManifest> ReadCheckpoint(const std::string& checkpoint_dir) {
+  DSYNC_ASSIGN_OR_RETURN(CheckpointManifest m, ReadManifest(checkpoint_dir));
+  for (const CheckpointFile& f : m.files) {
+    DSYNC_RETURN_IF_ERROR(CheckFile((fs::path(checkpoint_dir) / f.name).string(), f, m));
+  }
+  return m;
+}
+
 Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
                                              std::vector<SkippedCheckpoint>* skipped) {
   std::error_code ec;
@@ -443,14 +451,11 @@ Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
     if (skipped) skipped->insert(skipped->end(), refused.begin(), refused.end());
   };
   for (const auto& [version, path] : Listed(dir)) {
-    Result<CheckpointManifest> m = ReadManifest(path.string());
+    Result<CheckpointManifest> m = ReadCheckpoint(path.string());
     Status st = m.status();
     if (st.ok() && m->version != version) {
       st = Error(StatusCode::kDataLoss, "'{}' names version {}, its directory {}",
                  (path / kManifest).string(), m->version, version);
-    }
-    for (size_t i = 0; st.ok() && i < m->files.size(); ++i) {
-      st = CheckFile((path / m->files[i].name).string(), m->files[i], *m);
     }
     if (st.ok()) {
       report();

@@ -89,6 +89,10 @@ struct SkippedCheckpoint {
   std::string path;  // its directory
   std::string why;   // names the file and what is wrong with it
 };
+// One checkpoint's manifest, once the checkpoint is found complete and sound (as below).
+// kDataLoss for damage, naming the file.
+Result<CheckpointManifest> ReadCheckpoint(const std::string& checkpoint_dir);
+
 // The newest checkpoint under `dir` that is complete and sound: its manifest is there and
 // every file it names is a regular file with the recorded size, header (rank, servers,
 // version, slice size) and CRC-32 (streamed: nothing is parsed or held in memory). A newer one

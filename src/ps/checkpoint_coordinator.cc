@@ -79,6 +79,7 @@ bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
     spdlog::info("scheduler: checkpoint of version {} complete: {} bytes from {} server(s) in "
                  "{:.2f} s ({})",
                  version, bytes, m.files.size(), s, path);
+    complete_any_ = true;
     PruneCheckpoints(dir_, kCheckpointsKept);
   }
   pending_.reset();

@@ -39,6 +39,8 @@ class CheckpointCoordinator {
   bool Reported(uint32_t rank, Version version, const Result<CheckpointFile>& file);
   // How the newest settled checkpoint ended: OK when it is complete.
   const Status& last_result() const { return last_result_; }
+  // Whether any checkpoint of this job completed (resuming from this directory would work).
+  bool complete_any() const { return complete_any_; }
 
  private:
   std::string dir_;
@@ -54,6 +56,7 @@ class CheckpointCoordinator {
   };
   std::optional<Pending> pending_;
   Status last_result_;
+  bool complete_any_ = false;
 };
 
 }  // namespace dsync::ps

@@ -166,7 +166,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       // The nodes still waiting to be admitted are told why (TellFailure).
       cv_.wait_for(lock, std::chrono::seconds(5), [&] { return final_frames_in_flight_ == 0; });
     }
-    Status result = stop_ && !finished_ ? Status::Ok() : result_;
+    Status result = stop_ && !finished_ ? stop_result_ : result_;
     lock.unlock();
     transport_->Shutdown();
     return result;
@@ -180,12 +180,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       if (stopping_) return;
       stopping_ = true;
       stop_deadline_ = SteadyClock::now() + std::chrono::seconds(kStopCheckpointSeconds);
-      if (!checkpoints_.in_flight() && checkpoints_.FinalNeeded(rounds_announced_)) {
-        BeginCheckpoint();
-      }
-      spdlog::warn("scheduler: stopping once the checkpoint of version {} is written (at most "
-                   "{} s)",
-                   rounds_announced_, kStopCheckpointSeconds);
+      spdlog::warn("scheduler: stopping once a checkpoint of where the job is has been written "
+                   "(at most {} s)",
+                   kStopCheckpointSeconds);
       StopIfCheckpointSettled();
       return;
     }
@@ -262,6 +259,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       std::erase_if(waiting_observers_, [&](const WaitingObserver& w) { return w.peer == peer; });
       observers_.erase(info.id);
       CheckFinished();
+      return;
+    }
+    if (info.kind == PeerKind::kServer && stopping_) {
+      EndStopping(Error(StatusCode::kUnavailable, "stopped without a checkpoint of where the job "
+                                                  "was: server {} went ({})",
+                        info.id, why.message()));
       return;
     }
     if (info.kind == PeerKind::kServer) {
@@ -430,7 +433,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
   void AdmitWaiting() {
-    if (!ServersReady()) return;
+    if (!ServersReady() || stopping_ || stop_) return;  // nobody joins a job that is stopping
     // Observers need only the servers: they never count in a round.
     for (const WaitingObserver& o : waiting_observers_) {
       Welcome w = ClientWelcome(o.id, /*observer=*/true);
@@ -775,7 +778,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       rounds_announced_ = rec.round + 1;
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
-      if (checkpoints_.Due(rounds_announced_, SteadyClock::now())) BeginCheckpoint();
+      if (!stopping_ && checkpoints_.Due(rounds_announced_, SteadyClock::now())) BeginCheckpoint();
     }
     for (const GateRelease& g : rule_.TakeGateReleases()) {
       auto wit = workers_.find(g.worker);
@@ -790,7 +793,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   // The job ends when every worker that joined is gone and every decided round is applied.
   void CheckFinished() {
-    if (finished_ || !started_ || rule_.live_workers() > 0 || rule_.has_queued() ||
+    if (finished_ || stop_ || !started_ || rule_.live_workers() > 0 || rule_.has_queued() ||
         !waiting_.empty()) {
       return;
     }
@@ -837,21 +840,30 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Finish(Status::Ok());
   }
 
-  // Stopping (Stop with checkpoints): once no checkpoint is in flight, the servers are told the
-  // job is over and the scheduler stops.
+  // Stopping (Stop with checkpoints): once no checkpoint is in flight, one of where the job is
+  // now is begun if there is none yet (a periodic one in flight may be older, or have failed)
+  // and time is left; then the servers are told the job is over and the scheduler stops.
   void StopIfCheckpointSettled() {
     if (!stopping_ || stop_ || checkpoints_.in_flight()) return;
-    if (checkpoints_.last_result().ok()) {
-      spdlog::info("scheduler: stopped; resume the job with --resume {}", cfg_.checkpoint_dir);
-    } else {
-      spdlog::error("scheduler: stopped without a checkpoint of where it was ({})",
-                    checkpoints_.last_result().message());
+    if (checkpoints_.FinalNeeded(rounds_announced_) && SteadyClock::now() < stop_deadline_) {
+      BeginCheckpoint();
+      return;
     }
-    EndStopping();
+    if (!checkpoints_.last_result().ok()) {
+      EndStopping(checkpoints_.last_result().WithContext("stopped without a checkpoint of "
+                                                         "where the job was"));
+      return;
+    }
+    if (checkpoints_.complete_any()) {
+      spdlog::info("scheduler: stopped; resume the job with --resume {}", cfg_.checkpoint_dir);
+    }
+    EndStopping(Status::Ok());
   }
 
-  // The servers are told the job is over; the scheduler stops.
-  void EndStopping() {
+  // The servers are told the job is over; the scheduler stops, with `why` as its result.
+  void EndStopping(Status why) {
+    if (!why.ok()) spdlog::error("scheduler: {}", why.message());
+    stop_result_ = std::move(why);
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
     for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
     stop_ = true;
@@ -998,10 +1010,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
       if (stopping_ && !stop_ && now > stop_deadline_) {
-        spdlog::error("scheduler: the checkpoint was not written within {} s of the stop; "
-                      "stopping without it",
-                      kStopCheckpointSeconds);
-        EndStopping();
+        EndStopping(Error(StatusCode::kDeadlineExceeded,
+                          "stopped without a checkpoint of where the job was: none was written "
+                          "within {} s of the stop",
+                          kStopCheckpointSeconds));
       }
     }
   }
@@ -1062,6 +1074,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   uint64_t prior_gradients_ = 0;            // applied before that checkpoint
   uint64_t gradients_in_rounds_ = 0;        // of this job, in the rounds sent so far
   bool stopping_ = false;                   // Stop() waits for a checkpoint
+  Status stop_result_;                      // what Run returns after a Stop
   SteadyClock::time_point stop_deadline_;
   // Per worker, the clock after its newest gradient in a round sent so far (checkpoints).
   std::map<WorkerId, Clock> placed_next_clock_;
