@@ -24,6 +24,7 @@
 #include "dsync/config.h"
 #if DSYNC_HAVE_CUDA
 #include "cuda/cuda_store.h"
+#include "ps/checkpoint.h"
 #endif
 #include "net_util.h"
 #include "proc.h"
@@ -218,6 +219,47 @@ TEST_F(MultiProcess, AnInterruptedJobWritesACheckpointFirstAndResumesFromIt) {
   const std::string out2 = RunLocal(second);
   EXPECT_NE(out2.find("resuming from " + newest.string()), std::string::npos) << out2;
   ExpectModelCount(before + Completed(out2), 2);
+}
+
+// Export joins a tensor only from slices that tile it: files that pass their checksums but
+// claim overlapping slices, or a tensor far larger than its slices, are refused by name,
+// before anything the claimed size is allocated.
+TEST_F(MultiProcess, ExportRefusesSlicesThatDoNotTileTheirTensor) {
+  auto write = [&](const std::string& name, uint64_t elements, uint64_t second_offset) {
+    const fs::path dir = dir_ / name / "ckpt-000000000003";
+    dsync::ps::CheckpointManifest m;
+    m.version = 3;
+    m.num_servers = 2;
+    m.slice_bytes = 16;
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      dsync::ps::ServerCheckpoint c{rank, 2, 3, 16, {}};
+      dsync::ps::CheckpointSlice s;
+      s.tensor = 0;
+      s.slice = rank;
+      s.meta = dsync::ps::InitMeta{"w", elements, rank == 0 ? 0 : second_offset, std::nullopt, {}};
+      s.snapshot.params.assign(4, 1.0f + static_cast<float>(rank));
+      c.slices.push_back(s);
+      auto f = dsync::ps::WriteServerCheckpoint(dir.string(), c);
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      m.files.push_back(*f);
+    }
+    ASSERT_TRUE(dsync::ps::WriteManifest(dir.string(), m).ok());
+  };
+  write("good", 8, 4);
+  const std::string ok = RunDsyncps({"checkpoint", "export", (dir_ / "good").string(), "--format",
+                                     "npz", "--out", (dir_ / "good.npz").string()});
+  EXPECT_NE(ok.find("wrote 1 tensor(s), 8 parameters, of version 3"), std::string::npos) << ok;
+  write("overlap", 8, 2);
+  const std::string overlap = RunDsyncps({"checkpoint", "export", (dir_ / "overlap").string(),
+                                          "--format", "npz", "--out",
+                                          (dir_ / "o.npz").string()}, 1);
+  EXPECT_NE(overlap.find("not cut into slices that follow each other"), std::string::npos)
+      << overlap;
+  write("huge", uint64_t{1} << 50, 4);
+  const std::string huge = RunDsyncps({"checkpoint", "export", (dir_ / "huge").string(),
+                                       "--format", "npz", "--out", (dir_ / "h.npz").string()}, 1);
+  EXPECT_NE(huge.find("has 8 of its 1125899906842624 elements"), std::string::npos) << huge;
+  EXPECT_FALSE(fs::exists(dir_ / "o.npz") || fs::exists(dir_ / "h.npz"));
 }
 
 TEST_F(MultiProcess, StoppedWorkerIsDeclaredDeadByHeartbeatTimeout) {
