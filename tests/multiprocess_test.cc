@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "dsync/config.h"
+#include "ps/checkpoint.h"
 #if DSYNC_HAVE_CUDA
 #include "cuda/cuda_store.h"
-#include "ps/checkpoint.h"
 #endif
 #include "net_util.h"
 #include "proc.h"
