@@ -135,13 +135,7 @@ Result<std::vector<std::byte>> ReadWhole(const std::string& path, uint64_t max_b
     close(fd);
     return Error(StatusCode::kResourceExhausted, "no memory to read '{}' ({} bytes)", path, size);
   }
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = read(fd, data.data() + done, data.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    done += static_cast<size_t>(n);
-  }
+  const size_t done = ReadSome(fd, data.data(), data.size());
   close(fd);
   if (done != data.size()) return Error(StatusCode::kDataLoss, "'{}' could not be read whole", path);
   return data;
