@@ -372,7 +372,8 @@ struct RoleJob {
   std::vector<std::unique_ptr<Proc>> servers, workers;
 
   RoleJob(const fs::path& dir, uint32_t servers_n, uint32_t workers_n,
-          const std::vector<std::string>& worker_args) {
+          const std::vector<std::string>& worker_args,
+          const std::map<std::string, std::string>& more_env = {}) {
     env = {{"DSYNC_SCHEDULER_URI", "127.0.0.1"},
            {"DSYNC_SCHEDULER_PORT", std::to_string(dsync::testing::FreeLoopbackPort())},
            {"DSYNC_NUM_SERVERS", std::to_string(servers_n)},
@@ -383,6 +384,7 @@ struct RoleJob {
            {"DSYNC_HEARTBEAT_MS", "100"},
            {"DSYNC_HEARTBEAT_TIMEOUT_MS", "800"},
            {"DSYNC_TOKEN", "role-token"}};
+    for (const auto& [k, v] : more_env) env[k] = v;
     scheduler = std::make_unique<Proc>(std::vector<std::string>{DSYNC_BINARY, "scheduler"}, env,
                                        dir / "scheduler.log");
     for (uint32_t i = 0; i < servers_n; ++i) {
@@ -454,6 +456,69 @@ TEST_F(MultiProcess, AHungServerStopsTheJobWithinTheHeartbeatTimeout) {
         w->Output(), std::regex("lost the connection to (the scheduler|server [12])")))
         << w->Output();
   }
+}
+
+// Two copies of every slice over five servers: one server SIGKILLed while the workers push
+// (some mid-push), another stopped (SIGSTOP) past the heartbeat timeout. The job goes on
+// without them and ends cleanly; every copy left holds exactly the gradients the workers
+// completed, and the copies of each slice are bit-identical.
+TEST_F(MultiProcess, WithTwoCopiesAJobOutlivesAKilledAndAHungServerExactly) {
+  const uint32_t iters = 1200;
+  RoleJob job(dir_, 5, 3, {"--iters", std::to_string(iters), "--compute-ms", "5"},
+              {{"DSYNC_REPLICAS", "2"},
+               {"DSYNC_DUMP_MODEL", (dir_ / "dump").string()},
+               {"DSYNC_AUDIT_LOG", (dir_ / "audit.jsonl").string()}});
+  ASSERT_TRUE(job.workers[2]->WaitForOutput("joined", 20s)) << job.workers[2]->Output();
+  // Ranks are given in the order servers register: find ids 1 and 3 (not adjacent, so every
+  // slice keeps a copy).
+  std::map<uint32_t, Proc*> by_id;
+  for (auto& s : job.servers) {
+    std::smatch m;
+    const std::string out = s->Output();
+    ASSERT_TRUE(std::regex_search(out, m, std::regex("server (\\d+) listening"))) << out;
+    by_id[static_cast<uint32_t>(std::stoul(m[1]))] = s.get();
+  }
+  ASSERT_EQ(by_id.size(), 5u);
+  std::this_thread::sleep_for(500ms);
+  by_id[1]->Signal(SIGKILL);
+  std::this_thread::sleep_for(500ms);
+  by_id[3]->Signal(SIGSTOP);
+  uint64_t total = 0;
+  for (auto& w : job.workers) {
+    EXPECT_EQ(w->Wait(120s), 0) << w->Output();
+    total += Completed(w->Output(), false);
+  }
+  EXPECT_EQ(job.scheduler->Wait(30s), 0) << job.scheduler->Output();
+  by_id[3]->Signal(SIGKILL);
+  for (uint32_t id : {2u, 4u, 5u}) EXPECT_EQ(by_id[id]->Wait(30s), 0) << by_id[id]->Output();
+  const std::string sched = job.scheduler->Output();
+  EXPECT_NE(sched.find("server 1 disconnected"), std::string::npos) << sched;
+  EXPECT_NE(sched.find("server 3 stopped answering (no heartbeat for 800 ms); every slice it "
+                       "held has another copy"),
+            std::string::npos)
+      << sched;
+  EXPECT_NE(sched.find("servers lost 2"), std::string::npos) << sched;
+  EXPECT_EQ(total, 3u * iters);
+  ExpectModelCount(total, 3);
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
+  for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
+    json j = json::parse(std::ifstream(entry.path()));
+    for (const json& s : j["slices"]) {
+      copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
+          s["crc32"].get<uint64_t>());
+    }
+  }
+  size_t compared = 0;
+  for (const auto& [key, crcs] : copies) {
+    compared += crcs.size() > 1 ? 1 : 0;
+    for (uint64_t crc : crcs) {
+      EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
+    }
+  }
+  EXPECT_GT(compared, 0u) << "some slices keep both copies (those on ranks 3 and 4)";
+  const auto rounds = CheckAudit(0);
+  EXPECT_EQ(rounds.size(), iters);
+  for (const json& r : rounds) EXPECT_EQ(r["members"].size(), 3u) << r.dump();
 }
 
 TEST_F(MultiProcess, ClearErrorsForBadSetups) {

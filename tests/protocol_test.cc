@@ -58,7 +58,25 @@ TEST(FrameHeader, EachMessageReadsItsOwnNamedFields) {
   ack.set_min_version(kNoGate);
   EXPECT_EQ(ack.round(), 12u);
   EXPECT_EQ(ack.min_version(), kNoGate);
-  EXPECT_EQ(kProtocolVersion, 4u) << "the wire changed: checkpoints";
+  FrameHeader init = MakeHeader(MsgType::kInit, 1000);
+  init.set_tensor(2);
+  init.set_slice(5);
+  init.set_replica(1);
+  EXPECT_EQ(init.replica(), 1u);
+  EXPECT_EQ(init.slice(), 5u);
+  FrameHeader lost = MakeHeader(MsgType::kServerGone, 0);
+  lost.set_gone_server(3);
+  lost.set_losses(2);
+  EXPECT_EQ(lost.gone_server(), 3u);
+  EXPECT_EQ(lost.losses(), 2u);
+  FrameHeader commit = MakeHeader(MsgType::kCommit, 1000);
+  commit.set_clock(9);
+  commit.set_base(8);
+  commit.set_losses(1);
+  EXPECT_EQ(commit.clock(), 9u);
+  EXPECT_EQ(commit.base(), 8u);
+  EXPECT_EQ(commit.losses(), 1u);
+  EXPECT_EQ(kProtocolVersion, 5u) << "the wire changed: replicated slices";
 }
 
 TEST(FrameHeader, StrangersMaySendOneSmallHelloOnly) {
@@ -407,7 +425,7 @@ TEST(Credentials, AreBoundToTheJobKeyTheIdAndTheKind) {
 }
 
 // A worker's commit with the receipts the servers would give for what it pushed.
-CommitProof Honest(const JobKey& key, uint32_t servers, WorkerId w, Clock c,
+CommitProof Honest(const JobKey& key, const Holders& servers, WorkerId w, Clock c,
                    std::vector<CommittedTensor> tensors) {
   CommitProof p;
   p.tensors = std::move(tensors);
@@ -468,6 +486,67 @@ TEST(StagingLedger, ReceiptsComeWhenEverySliceHereIsStaged) {
   ASSERT_TRUE(ledger.Staged(1000, 0, 0, &receipt).ok());
   ASSERT_TRUE(receipt.has_value());
   EXPECT_TRUE(TagsEqual(*receipt, Receipt(key, {kFirstServerId + 1, 1000, 0, 0, 5, 1})));
+}
+
+// With copies, every server holding a copy of a slice of a tensor stages it and answers with
+// its receipt; a commit leaves out exactly the servers lost before it.
+TEST(CommitProof, WithCopiesEveryHolderProvesAndLostServersAreLeftOut) {
+  const JobKey key = RandomJobKey();
+  // Tensor 0: 2 slices over 4 servers from rank 3, 2 copies: slice 0 on ranks 3, 0; slice 1
+  // on ranks 0, 1. Holders: ranks 3, 0, 1 (not 2).
+  const std::vector<CommittedTensor> t = {{0, 2, 3}};
+  const Holders copies(4, 2);
+  CommitProof p;
+  p.tensors = t;
+  for (uint32_t rank : {3u, 0u, 1u}) {
+    XorInto(p.receipts, Receipt(key, {kFirstServerId + rank, 1000, 7, 0, 2, 3}));
+  }
+  EXPECT_TRUE(TagsEqual(p.receipts, ExpectedReceipts(key, copies, 1000, 7, t)));
+  EXPECT_TRUE(VerifyCommit(key, copies, 1000, 7, false, p).ok());
+  EXPECT_FALSE(VerifyCommit(key, Holders(4, 1), 1000, 7, false, p).ok())
+      << "one copy: rank 0's and 1's receipts only";
+  // Rank 0 lost: the worker takes its receipt out; the commit is proved with rank 0 left out
+  // and refused where rank 0 still counts.
+  CommitProof without = p;
+  XorInto(without.receipts, Receipt(key, {kFirstServerId + 0, 1000, 7, 0, 2, 3}));
+  const std::vector<bool> lost = {true, false, false, false};
+  EXPECT_TRUE(VerifyCommit(key, Holders(4, 2, &lost), 1000, 7, false, without).ok());
+  EXPECT_FALSE(VerifyCommit(key, copies, 1000, 7, false, without).ok());
+  EXPECT_FALSE(VerifyCommit(key, Holders(4, 2, &lost), 1000, 7, false, p).ok());
+  // Three copies of one slice on three servers: all three prove it, one does not.
+  EXPECT_TRUE(VerifyCommit(key, Holders(3, 3), 1001, 2, false,
+                           Honest(key, Holders(3, 3), 1001, 2, {{0, 1, 0}})).ok());
+  EXPECT_FALSE(VerifyCommit(key, Holders(3, 3), 1001, 2, false,
+                            Honest(key, 3, 1001, 2, {{0, 1, 0}})).ok());
+}
+
+TEST(StagingLedger, EachServerCountsTheCopiesItHoldsBeforeItsReceipt) {
+  const JobKey key = RandomJobKey();
+  StagingLedger ledger;
+  ledger.Configure(key, kFirstServerId + 0, 4, 4, 2);  // rank 0 of 4, 2 copies
+  // Tensor 0 as above: copy 1 of slice 0 and copy 0 of slice 1 live on rank 0.
+  ASSERT_TRUE(ledger.Place(0, 2, 0, 1).ok());
+  ASSERT_TRUE(ledger.Place(0, 2, 1, 0).ok());
+  // Copy 0 of slice 0 would put slice 0's primary here: another placement.
+  EXPECT_EQ(ledger.Place(0, 2, 0, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ledger.Place(0, 2, 1, 2).code(), StatusCode::kInvalidArgument) << "no third copy";
+  std::optional<Tag> receipt;
+  ASSERT_TRUE(ledger.Staged(1000, 7, 0, &receipt).ok());
+  EXPECT_FALSE(receipt.has_value());
+  ASSERT_TRUE(ledger.Staged(1000, 7, 0, &receipt).ok());
+  ASSERT_TRUE(receipt.has_value());
+  EXPECT_TRUE(TagsEqual(*receipt, Receipt(key, {kFirstServerId + 0, 1000, 7, 0, 2, 3})));
+}
+
+TEST(Slicing, TheJobGoesOnWhileEverySliceHasACopy) {
+  EXPECT_EQ(ReplicaRank(3, 1, 4), 0u);
+  EXPECT_TRUE(EverySliceHasACopy({false, false, false}, 1));
+  EXPECT_FALSE(EverySliceHasACopy({false, true, false}, 1));
+  EXPECT_TRUE(EverySliceHasACopy({true, false, true, false}, 2)) << "ranks 0 and 2: apart";
+  EXPECT_FALSE(EverySliceHasACopy({true, false, false, true}, 2)) << "ranks 3 and 0: adjacent";
+  EXPECT_FALSE(EverySliceHasACopy({false, true, true}, 2));
+  EXPECT_TRUE(EverySliceHasACopy({true, true, false}, 3));
+  EXPECT_FALSE(EverySliceHasACopy({true, true, true}, 3));
 }
 
 TEST(StagingLedger, AWorkerHoldsAtMostItsWindowOfClocks) {

@@ -58,10 +58,39 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
     for (const ps::CheckpointSlice& s : c.slices) slices[s.tensor].push_back(&s);
   }
   std::map<std::string, TensorId> names;
+  const uint32_t copies = found.manifest.replicas;
   for (auto& [id, list] : slices) {
     std::sort(list.begin(), list.end(), [](const auto* a, const auto* b) {
-      return a->meta.slice_offset < b->meta.slice_offset;
+      return std::pair(a->meta.slice_offset, a->replica) <
+             std::pair(b->meta.slice_offset, b->replica);
     });
+    // Each slice is there once per copy (Config::replicas), and every copy applied the same
+    // rounds: they must be bit-identical (values, optimizer state, step count). One is kept.
+    std::vector<const ps::CheckpointSlice*> unique;
+    for (size_t i = 0; i < list.size(); i += copies) {
+      const ps::CheckpointSlice* a = list[i];
+      for (uint32_t j = 0; j < copies; ++j) {
+        const ps::CheckpointSlice* b = i + j < list.size() ? list[i + j] : nullptr;
+        if (!b || b->slice != a->slice || b->replica != j) {
+          return Error(StatusCode::kDataLoss,
+                       "checkpoint {}: tensor {} ('{}') slice {} is not there {} time(s), once "
+                       "per copy",
+                       found.path, id, a->meta.name, a->slice, copies);
+        }
+        if (b->snapshot.params != a->snapshot.params || b->snapshot.state != a->snapshot.state ||
+            b->snapshot.steps != a->snapshot.steps || b->meta.name != a->meta.name ||
+            b->meta.tensor_elements != a->meta.tensor_elements ||
+            b->meta.optimizer != a->meta.optimizer || b->meta.shape != a->meta.shape) {
+          return Error(StatusCode::kDataLoss,
+                       "checkpoint {}: the copies of tensor {} ('{}') slice {} differ (copy {} "
+                       "is not copy 0): every copy applies the same rounds, so one of them is "
+                       "damaged",
+                       found.path, id, a->meta.name, a->slice, j);
+        }
+      }
+      unique.push_back(a);
+    }
+    list = std::move(unique);
     const ps::InitMeta& first = list.front()->meta;
     uint64_t end = 0;
     for (const ps::CheckpointSlice* s : list) {

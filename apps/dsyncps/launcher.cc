@@ -523,7 +523,13 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
         // at start, never able to begin): stop everything rather than wait for the timeout.
         // (Exit 0 is a server told to shut down: the job is ending.)
         const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!c.is_worker && &c != &children[0] && !clean) {
+        // With copies of every slice on other servers the scheduler decides whether the job
+        // can go on without it, and ends the job itself when it cannot.
+        const bool survivable = job.replicas > 1 && WIFSIGNALED(status) && c.stopped.empty();
+        if (!c.is_worker && &c != &children[0] && !clean && survivable) {
+          std::fprintf(stderr, "dsyncps: %s ended (%s); its slices have other copies\n",
+                       c.name.c_str(), Describe(status).c_str());
+        } else if (!c.is_worker && &c != &children[0] && !clean) {
           stop_job(fmt::format("{} ended ({}) while the job runs", c.name, Describe(status)));
         }
         // A worker that never joined would be waited for until the timeout (the first
@@ -577,6 +583,9 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
     if (c.is_worker && WIFSIGNALED(c.status)) {
       if (c.stopped.empty()) ++outcome.workers_killed;
+    } else if (!c.is_worker && &c != &children[0] && job.replicas > 1 &&
+               WIFSIGNALED(c.status) && c.stopped.empty()) {
+      ++outcome.servers_killed;  // the scheduler, which went on without it, says how it ended
     } else if (!clean) {
       outcome.ok = false;
     }
@@ -595,6 +604,10 @@ void PrintLaunchSummary(const LaunchOutcome& outcome, const char* who) {
       std::string& names = stopped[c.stopped];
       names += (names.empty() ? "" : ", ") + c.name;
     }
+  }
+  if (outcome.servers_killed) {
+    std::printf("  %d server(s) were killed during the job; their slices' other copies served\n",
+                outcome.servers_killed);
   }
   if (outcome.workers_killed) {
     std::printf("  %d worker(s) were killed during the job; it carried on without them\n",

@@ -68,6 +68,8 @@ struct LaunchOutcome {
   int interrupted = 0;    // the signal that stopped the launcher, or 0
   // Workers that died by a signal the launcher did not send (a scenario the job survives).
   int workers_killed = 0;
+  // Servers that died by such a signal in a job with copies of every slice (Config::replicas).
+  int servers_killed = 0;
   std::string failure;    // why the launcher stopped the job early ("" if it did not)
   std::vector<ChildOutcome> children;
 };

@@ -152,9 +152,10 @@ int RunScheduler(const Config& config) {
       [](Scheduler& scheduler) {
         const SchedulerStats s = scheduler.stats();
         spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, "
-                     "failed {}, max staleness {}",
+                     "failed {}, max staleness {}{}",
                      s.rounds_closed, s.gradients_committed, s.workers_joined, s.workers_left,
-                     s.workers_failed, s.max_staleness);
+                     s.workers_failed, s.max_staleness,
+                     s.servers_lost ? fmt::format(", servers lost {}", s.servers_lost) : "");
       });
 }
 

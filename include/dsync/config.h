@@ -158,6 +158,10 @@ struct Config {
   bool insecure = false;
 
   uint32_t num_servers = 1;
+  // Copies of every slice, on distinct servers (1..num_servers): a primary that answers pulls
+  // and replicas - 1 backups that stage and apply the same gradients, so the job survives
+  // the loss of any replicas - 1 servers whose ranks are adjacent (docs/contract.md).
+  uint32_t replicas = 1;
   // Workers that must join before round 0 opens; later workers join a running job.
   uint32_t num_workers = 1;
 

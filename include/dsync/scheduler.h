@@ -19,6 +19,7 @@ struct SchedulerStats {
   uint32_t workers_joined = 0;    // ever
   uint32_t workers_left = 0;
   uint32_t workers_failed = 0;
+  uint32_t servers_lost = 0;      // the job went on without them (Config::replicas)
   uint32_t max_staleness = 0;     // over every gradient placed in a round
   uint32_t policy_changes = 0;    // dsync:auto decisions that changed quorum or allowances
 };

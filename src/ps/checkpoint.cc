@@ -19,7 +19,13 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-constexpr char kMagic[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '1'};
+// Format 02 adds each slice's copy number (replicated slices); 01 files (one copy) still load.
+constexpr char kMagic[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '2'};
+constexpr char kMagicOne[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '1'};
+bool IsMagic(const void* p) {
+  return std::memcmp(p, kMagic, sizeof(kMagic)) == 0 ||
+         std::memcmp(p, kMagicOne, sizeof(kMagicOne)) == 0;
+}
 constexpr const char* kManifest = "MANIFEST.json";
 constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kRefusedPrefix = "refused-";
@@ -190,6 +196,7 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
     m.version = j.at("version").get<Version>();
     m.num_servers = j.at("num_servers").get<uint32_t>();
     m.slice_bytes = j.at("slice_bytes").get<uint64_t>();
+    m.replicas = j.value("replicas", uint32_t{1});
     m.sync = j.at("sync").get<std::string>();
     m.gradients_committed = j.at("gradients_committed").get<uint64_t>();
     m.clock = j.at("clock").get<Clock>();
@@ -212,7 +219,10 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
   } catch (const json::exception&) {  // nlohmann reports a wrong type by throwing
     return bad;
   }
-  if (m.num_servers == 0 || m.files.size() != m.num_servers) return bad;
+  if (m.num_servers == 0 || m.files.size() != m.num_servers || m.replicas == 0 ||
+      m.replicas > m.num_servers) {
+    return bad;
+  }
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   for (uint32_t r = 0; r < m.num_servers; ++r) {
     if (m.files[r].rank != r) return bad;
@@ -251,7 +261,7 @@ Status CheckFile(const std::string& path, const CheckpointFile& f, const Checkpo
       char magic[sizeof(kMagic)];
       bool ok = n >= kHeaderBytes;
       for (char& c : magic) ok = ok && r.Get(&c);
-      ok = ok && std::memcmp(magic, kMagic, sizeof(kMagic)) == 0 && r.Get(&h.rank) &&
+      ok = ok && IsMagic(magic) && r.Get(&h.rank) &&
            r.Get(&h.num_servers) && r.Get(&h.version) && r.Get(&h.slice_bytes);
       if (!ok || h.rank != f.rank || h.num_servers != m.num_servers || h.version != m.version ||
           h.slice_bytes != m.slice_bytes) {
@@ -312,6 +322,7 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
     MetaWriter w(slice_heads[i]);
     w.Put(s.tensor);
     w.Put(s.slice);
+    w.Put(s.replica);
     w.Put(static_cast<uint64_t>(s.snapshot.params.size()));
     w.Put(s.snapshot.steps);
     w.Put(static_cast<uint32_t>(s.snapshot.state.size()));
@@ -349,8 +360,7 @@ Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
   const auto corrupt = [&](std::string_view what) {
     return Error(StatusCode::kDataLoss, "checkpoint file '{}' is corrupt: {}", path, what);
   };
-  if (data.size() < sizeof(kMagic) + sizeof(uint32_t) ||
-      std::memcmp(data.data(), kMagic, sizeof(kMagic)) != 0) {
+  if (data.size() < sizeof(kMagic) + sizeof(uint32_t) || !IsMagic(data.data())) {
     return corrupt("it does not start as a dsyncps checkpoint does");
   }
   uint32_t stored = 0;
@@ -371,17 +381,18 @@ Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
       !r.Get(&count)) {
     return corrupt("its header is cut short");
   }
+  const bool copies = std::memcmp(data.data(), kMagic, sizeof(kMagic)) == 0;
   size_t at = kHeaderBytes;
   for (uint32_t i = 0; i < count; ++i) {
     CheckpointSlice s;
     uint64_t elements = 0;
     uint32_t arrays = 0, meta_len = 0;
     MetaReader h(std::span<const std::byte>(data.data() + at, body - at));
-    if (!h.Get(&s.tensor) || !h.Get(&s.slice) || !h.Get(&elements) || !h.Get(&s.snapshot.steps) ||
-        !h.Get(&arrays) || !h.Get(&meta_len)) {
+    if (!h.Get(&s.tensor) || !h.Get(&s.slice) || (copies && !h.Get(&s.replica)) ||
+        !h.Get(&elements) || !h.Get(&s.snapshot.steps) || !h.Get(&arrays) || !h.Get(&meta_len)) {
       return corrupt(fmt::format("slice {} of {} is cut short", i, count));
     }
-    at += 2 * sizeof(uint32_t) + 2 * sizeof(uint64_t) + 2 * sizeof(uint32_t);
+    at += (copies ? 3 : 2) * sizeof(uint32_t) + 2 * sizeof(uint64_t) + 2 * sizeof(uint32_t);
     // Lengths are checked against what is left before anything is allocated.
     const uint64_t left = body - at;
     if (arrays > kMaxStateArrays || meta_len > kMaxMetaBytes || meta_len > left ||
@@ -413,6 +424,7 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
   json j = {{"format", 1},
             {"version", m.version},
             {"num_servers", m.num_servers},
+            {"replicas", m.replicas},
             {"slice_bytes", m.slice_bytes},
             {"sync", m.sync},
             {"gradients_committed", m.gradients_committed},

@@ -10,7 +10,8 @@
 // old state or the new one, never a torn file under the final name.
 //
 // A server file: "DSCKPT01", then (little-endian) u32 rank, u32 servers, u64 version,
-// u64 slice bytes, u32 slices; per slice u32 tensor, u32 slice, u64 elements, u64 steps,
+// u64 slice bytes, u32 slices; per slice u32 tensor, u32 slice, u32 copy number (0: the
+// primary; since "DSCKPT02", absent in "DSCKPT01" files), u64 elements, u64 steps,
 // u32 state arrays, u32 metadata bytes, the metadata (the tensor's kInit metadata: name,
 // size, offset, optimizer, shape; ps/protocol.h), then the parameters and each state array
 // as float32; last, the CRC-32 (zlib's) of everything before it.
@@ -32,6 +33,7 @@ namespace dsync::ps {
 struct CheckpointSlice {
   TensorId tensor = 0;
   uint32_t slice = 0;
+  uint32_t replica = 0;  // which copy of the slice (Config::replicas)
   InitMeta meta;  // the tensor: name, elements, this slice's offset, optimizer, shape
   SliceSnapshot snapshot;
 };
@@ -55,6 +57,7 @@ struct CheckpointFile {
 struct CheckpointManifest {
   Version version = 0;
   uint32_t num_servers = 0;
+  uint32_t replicas = 1;  // copies of every slice: the servers' files hold them all
   uint64_t slice_bytes = 0;
   std::string sync;                  // the job's sync mode, for the record
   uint64_t gradients_committed = 0;  // in the rounds before this version (budgets continue)

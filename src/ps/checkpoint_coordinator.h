@@ -26,6 +26,10 @@ class CheckpointCoordinator {
 
   bool enabled() const { return !dir_.empty(); }
   bool in_flight() const { return pending_.has_value(); }
+  // The version of the checkpoint in flight, if any.
+  std::optional<Version> in_flight_version() const {
+    return pending_ ? std::optional<Version>(pending_->manifest.version) : std::nullopt;
+  }
   // Whether a periodic checkpoint at `version` (every round before it decided) is due now.
   bool Due(Version version, Clock::time_point now) const;
   // Whether the job, ending at `version`, still needs its final checkpoint.

@@ -4,14 +4,18 @@
 
 namespace dsync::ps {
 
-Tag ExpectedReceipts(const JobKey& key, uint32_t num_servers, WorkerId worker, Clock clock,
+Tag ExpectedReceipts(const JobKey& key, const Holders& h, WorkerId worker, Clock clock,
                      const std::vector<CommittedTensor>& tensors) {
   Tag expected{};
+  const uint32_t num_servers = std::max<uint32_t>(1, h.num_servers);
   for (const CommittedTensor& t : tensors) {
-    // Slices 0 .. min(slices, S) - 1 land on distinct ranks: those are the holders.
-    const uint32_t holders = std::min(t.slices, num_servers);
+    // Copy j of slice k is on rank first + k + j: the holders are the ranks first + i for
+    // i < slices + replicas - 1, at most every rank once.
+    const uint64_t span = uint64_t{t.slices} + std::max<uint32_t>(1, h.replicas) - 1;
+    const auto holders = static_cast<uint32_t>(std::min<uint64_t>(span, num_servers));
     for (uint32_t k = 0; k < holders; ++k) {
       const uint32_t rank = (t.first_rank + k) % num_servers;
+      if (h.left_out && rank < h.left_out->size() && (*h.left_out)[rank]) continue;
       XorInto(expected, Receipt(key, {kFirstServerId + rank, worker, clock, t.tensor, t.slices,
                                       t.first_rank}));
     }
@@ -19,8 +23,9 @@ Tag ExpectedReceipts(const JobKey& key, uint32_t num_servers, WorkerId worker, C
   return expected;
 }
 
-Status VerifyCommit(const JobKey& key, uint32_t num_servers, WorkerId worker, Clock clock,
+Status VerifyCommit(const JobKey& key, const Holders& holders, WorkerId worker, Clock clock,
                     bool empty, const CommitProof& proof) {
+  const uint32_t num_servers = holders.num_servers;
   if (empty) {
     if (!proof.tensors.empty() || proof.receipts != kZeroTag) {
       return Error(StatusCode::kInvalidArgument,
@@ -42,7 +47,7 @@ Status VerifyCommit(const JobKey& key, uint32_t num_servers, WorkerId worker, Cl
                    worker, clock, t.tensor, t.first_rank, num_servers);
     }
   }
-  if (!TagsEqual(ExpectedReceipts(key, num_servers, worker, clock, proof.tensors),
+  if (!TagsEqual(ExpectedReceipts(key, holders, worker, clock, proof.tensors),
                  proof.receipts)) {
     return Error(StatusCode::kPermissionDenied,
                  "worker {}: the commit of clock {} is not proved by the servers' receipts for "

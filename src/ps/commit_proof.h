@@ -16,13 +16,24 @@
 
 namespace dsync::ps {
 
-// `num_servers` servers with ids kFirstServerId + rank. `empty`: the worker pushed nothing.
-Status VerifyCommit(const JobKey& key, uint32_t num_servers, WorkerId worker, Clock clock,
+// The servers whose receipts a commit must carry: `num_servers` servers with ids
+// kFirstServerId + rank, every slice on `replicas` of them (ps/slicing.h), less the ranks
+// marked in `left_out` (servers lost before the commit; none when null).
+struct Holders {
+  Holders(uint32_t servers, uint32_t copies = 1, const std::vector<bool>* lost = nullptr)
+      : num_servers(servers), replicas(copies), left_out(lost) {}
+  uint32_t num_servers;
+  uint32_t replicas;
+  const std::vector<bool>* left_out;
+};
+
+// `empty`: the worker pushed nothing.
+Status VerifyCommit(const JobKey& key, const Holders& holders, WorkerId worker, Clock clock,
                     bool empty, const CommitProof& proof);
 
-// What an honest worker sends: the receipts of every server holding a slice of each tensor
-// (for tests and benchmarks that play a worker).
-Tag ExpectedReceipts(const JobKey& key, uint32_t num_servers, WorkerId worker, Clock clock,
+// What an honest worker sends: the receipts of every server holding a copy of a slice of
+// each tensor (for tests and benchmarks that play a worker).
+Tag ExpectedReceipts(const JobKey& key, const Holders& holders, WorkerId worker, Clock clock,
                      const std::vector<CommittedTensor>& tensors);
 
 }  // namespace dsync::ps

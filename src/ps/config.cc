@@ -397,6 +397,12 @@ Status Config::Validate() const {
   if (num_servers == 0) {
     return Error(StatusCode::kInvalidArgument, "the job needs at least one server (num_servers)");
   }
+  if (replicas == 0 || replicas > num_servers) {
+    return Error(StatusCode::kInvalidArgument,
+                 "--replicas (DSYNC_REPLICAS) {} must be between 1 and the number of servers "
+                 "({}): each copy of a slice lives on a server of its own",
+                 replicas, num_servers);
+  }
   if (num_workers == 0) {
     return Error(StatusCode::kInvalidArgument, "the job needs at least one worker (num_workers)");
   }

@@ -142,6 +142,8 @@ std::string EncodeWelcome(const Welcome& w) {
     j["lr"] = w.learning_rate->second;
   }
   if (w.checkpoints) j["checkpoints"] = true;
+  if (w.replicas != 1) j["replicas"] = w.replicas;
+  if (!w.servers_lost.empty()) j["servers_lost"] = w.servers_lost;
   if (w.restore) {
     j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
                     {"version", w.restore->version}};
@@ -213,6 +215,19 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     w.learning_rate = std::make_pair(from, lr);
   }
   if (j.contains("checkpoints")) DSYNC_RETURN_IF_ERROR(Field(j, "checkpoints", &w.checkpoints));
+  if (j.contains("replicas")) DSYNC_RETURN_IF_ERROR(Field(j, "replicas", &w.replicas));
+  if (j.contains("servers_lost")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_lost", &w.servers_lost));
+  const uint32_t servers_n = w.job_key ? w.num_servers : static_cast<uint32_t>(w.servers.size());
+  if (w.replicas == 0 || (servers_n > 0 && w.replicas > servers_n) ||
+      w.servers_lost.size() >= std::max<size_t>(servers_n, 1)) {
+    return Error(StatusCode::kProtocol, "welcome: {} replica(s) and {} lost server(s) of {}",
+                 w.replicas, w.servers_lost.size(), servers_n);
+  }
+  for (NodeId s : w.servers_lost) {
+    if (s < kFirstServerId || s - kFirstServerId >= servers_n) {
+      return Error(StatusCode::kProtocol, "welcome: lost server {} is not a server of the job", s);
+    }
+  }
   if (j.contains("restore")) {
     json r;
     Welcome::Restore restore;

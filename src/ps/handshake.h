@@ -58,6 +58,8 @@ struct Welcome {
   Tag credential{};                    // workers and observers: present it to the servers
   std::optional<JobKey> job_key;       // servers: to check credentials, prove, sign receipts
   uint32_t num_servers = 0;            // servers: for the slice placement of receipts
+  uint32_t replicas = 1;               // copies of every slice (Config::replicas)
+  std::vector<NodeId> servers_lost;    // workers: the servers lost so far, in that order
   // servers: the newest change of the learning rate (its first round, the rate), so that a
   // server joining after it runs with it too.
   std::optional<std::pair<Round, float>> learning_rate;

@@ -32,6 +32,7 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kLearningRate: return "learning-rate";
     case MsgType::kCheckpoint: return "checkpoint";
     case MsgType::kCheckpointDone: return "checkpoint-done";
+    case MsgType::kServerGone: return "server-gone";
     case MsgType::kInit: return "init";
     case MsgType::kInitAck: return "init-ack";
     case MsgType::kPush: return "push";

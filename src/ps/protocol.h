@@ -32,7 +32,8 @@ constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
 // 2: node credentials, push receipts and proved commits; per-message header fields.
 // 3: learning-rate changes (kSetLearningRate, kLearningRate), per-tensor optimizers in kInit.
 // 4: checkpoints (kCheckpoint, kCheckpointDone; a restore in servers' welcomes).
-constexpr uint16_t kProtocolVersion = 4;
+// 5: replicated slices (kInit's replica(), kCommit's losses(), kServerGone).
+constexpr uint16_t kProtocolVersion = 5;
 // Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
@@ -49,7 +50,8 @@ enum class MsgType : uint16_t {
   kPending = 5,    // scheduler -> joining node: hello accepted, admission waits; meta = why
   // worker <-> scheduler
   kBegin = 10,     // clock(), base(): the worker now computes that clock on that version
-  kCommit = 11,    // clock(), base(); meta = CommitProof (receipts, tensors pushed);
+  kCommit = 11,    // clock(), base(), losses(): the server losses its receipts leave out;
+                   // meta = CommitProof (receipts, tensors pushed);
                    // flags & kFlagEmpty: nothing was pushed for this clock
   kCommitAck = 12, // round(): where it lands; min_version(): gate of the next pulls (or
                    // kNoGate); flags & kFlagStop: the job's gradient budget is spent
@@ -70,8 +72,10 @@ enum class MsgType : uint16_t {
   kCheckpoint = 26,      // scheduler -> server: round() = the version to write, once every
                          // round before it is applied; meta = the checkpoint's directory
   kCheckpointDone = 27,  // server -> scheduler: round() = that version; meta = CheckpointDone
+  kServerGone = 28,      // scheduler -> every node: gone_server() was lost; losses() = servers
+                         // lost so far, this one included (they are told in that order)
   // worker <-> server
-  kInit = 30,      // tensor(), slice(); meta = InitMeta; payload = initial values
+  kInit = 30,      // tensor(), slice(), replica(); meta = InitMeta; payload = initial values
   kInitAck = 31,   // slice_version()
   kPush = 32,      // tensor(), slice(), clock(), base(); payload = gradient
   kPushAck = 33,   // tensor(), slice(), clock(); meta: the receipt (Tag) when this push
@@ -135,6 +139,15 @@ struct FrameHeader {
   void set_gone_worker(WorkerId w) { id32[0] = w; }
   Clock next_clock() const { return word[0]; }
   void set_next_clock(Clock c) { word[0] = c; }
+  // kInit: which copy of the slice this server is to hold (0: the primary).
+  uint32_t replica() const { return static_cast<uint32_t>(word[0]); }
+  void set_replica(uint32_t r) { word[0] = r; }
+  // kServerGone: the server lost. kServerGone, kCommit: how many servers were lost so far (a
+  // commit's receipts cover the servers still live after that many losses).
+  NodeId gone_server() const { return id32[0]; }
+  void set_gone_server(NodeId s) { id32[0] = s; }
+  uint32_t losses() const { return id32[1]; }
+  void set_losses(uint32_t n) { id32[1] = n; }
 };
 static_assert(sizeof(FrameHeader) == 64);
 static_assert(std::is_trivially_copyable_v<FrameHeader> && std::is_standard_layout_v<FrameHeader>);

@@ -21,6 +21,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <ranges>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -37,6 +38,7 @@
 #include "ps/keys.h"
 #include "ps/round_rule.h"
 #include "ps/scheduler_node.h"
+#include "ps/slicing.h"
 
 namespace dsync {
 namespace ps {
@@ -136,6 +138,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    "--resume: the checkpoint {} was written by {} server(s); start the job with "
                    "{} server(s), each holds the slices of its rank",
                    found->path, m.num_servers, m.num_servers);
+    }
+    if (m.replicas != cfg_.replicas) {
+      return Error(StatusCode::kInvalidArgument,
+                   "--resume: the checkpoint {} kept {} cop{} of each slice; start the job with "
+                   "--replicas {}, each server holds the copies of its rank",
+                   found->path, m.replicas, m.replicas == 1 ? "y" : "ies", m.replicas);
     }
     if (m.slice_bytes != cfg_.slice_bytes) {
       return Error(StatusCode::kInvalidArgument,
@@ -268,9 +276,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     if (info.kind == PeerKind::kServer) {
-      Finish(Error(StatusCode::kUnavailable,
-                   "server {} disconnected ({}); the job cannot continue without its slices",
-                   info.id, why.message()));
+      LoseServer(info.id, fmt::format("disconnected ({})", why.message()));
       return;
     }
     std::erase_if(waiting_, [&](const auto& w) { return w.second == peer; });
@@ -293,6 +299,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Round applied = 0;  // rounds applied (its version)
     SteadyClock::time_point last_seen;
     bool ready = false;  // it took its welcome and accepts clients
+    bool lost = false;   // gone; its slices' other copies serve (Config::replicas)
   };
   struct WorkerEntry {
     PeerId peer;
@@ -383,6 +390,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.slice_bytes = cfg_.slice_bytes;
     w.heartbeat_interval_ms = cfg_.heartbeat_interval_ms;
     w.num_servers = cfg_.num_servers;
+    w.replicas = cfg_.replicas;
     w.learning_rate = learning_rate_;
     return w;
   }
@@ -392,6 +400,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Welcome w = JobWelcome(id);
     w.observer = observer;
     w.credential = ClientCredential(job_key_, id, observer);
+    w.servers_lost = servers_lost_;
     for (const ServerEntry& s : servers_) {
       w.servers.push_back({s.id, s.host, s.port, ServerProof(job_key_, s.id, id)});
     }
@@ -540,9 +549,18 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     const bool empty = (h.flags & kFlagEmpty) != 0;
     CommitProof& proof = commit_scratch_;
     Status proved = DecodeCommit(meta, proof);
+    if (proved.ok() && h.losses() > servers_lost_.size()) {
+      proved = Error(StatusCode::kInvalidArgument,
+                     "worker {}: the commit of clock {} leaves out {} lost server(s); {} are lost",
+                     id, h.clock(), h.losses(), servers_lost_.size());
+    }
     if (proved.ok()) {
-      proved = VerifyCommit(job_key_, static_cast<uint32_t>(servers_.size()), id, h.clock(),
-                            empty, proof);
+      // The receipts of the servers lost before the worker committed are left out: it heard
+      // of those losses (in order) and gave up what they owed it.
+      proved = VerifyCommit(job_key_,
+                            Holders(static_cast<uint32_t>(servers_.size()), cfg_.replicas,
+                                    &left_out_[h.losses()]),
+                            id, h.clock(), empty, proof);
     }
     if (!proved.ok()) {
       Expel(peer, id, h, proved);
@@ -597,7 +615,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader to_server = MakeHeader(MsgType::kLearningRate, kSchedulerId);
     to_server.set_round(from);
     EncodeLearningRate(*lr, meta_buf_);
-    for (const ServerEntry& s : servers_) {
+    for (const ServerEntry& s : LiveServers()) {
       (void)transport_->Send(s.peer, to_server, meta_buf_, nullptr, 0);
     }
     learning_rate_ = std::make_pair(from, *lr);
@@ -677,6 +695,64 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
   }
 
+  // The servers still in the job.
+  static bool IsLive(const ServerEntry& s) { return !s.lost; }
+  using LiveView = std::ranges::filter_view<std::ranges::ref_view<const std::vector<ServerEntry>>,
+                                            bool (*)(const ServerEntry&)>;
+  LiveView LiveServers() const { return LiveView(std::views::all(servers_), &IsLive); }
+
+  // Why a lost server's part of a checkpoint cannot be written.
+  static Status LostServersFile(NodeId id) {
+    return Error(StatusCode::kUnavailable,
+                 "server {} is lost, and a checkpoint needs every server's file (writing a lost "
+                 "server's slices from their other copies is not supported yet)",
+                 id);
+  }
+
+  // A server died, was stopped past the heartbeat timeout, or its connection ended. With one
+  // copy of each slice (or when every copy of some slice is gone now) the job cannot go on.
+  // Otherwise it goes on: every node hears of the loss (kServerGone), workers give up what
+  // the lost server owed them and pull from the next copy; a commit's receipts leave out the
+  // servers lost before it (the worker says how many it knew of), and every gradient already
+  // committed is staged on every live copy (its commit proved it), so nothing committed is
+  // lost and nothing is applied on some copies only.
+  void LoseServer(NodeId id, const std::string& what) {
+    const uint32_t rank = ServerRank(id);
+    if (rank >= servers_.size() || servers_[rank].lost || finished_ || stop_) return;
+    ServerEntry& s = servers_[rank];
+    std::vector<bool> lost = left_out_.back();
+    lost[rank] = true;
+    if (cfg_.replicas <= 1 || !s.ready || !EverySliceHasACopy(lost, cfg_.replicas)) {
+      Finish(Error(StatusCode::kUnavailable, "server {} {}; the job cannot continue without its "
+                                             "slices{}",
+                   id, what,
+                   cfg_.replicas <= 1 ? ""
+                   : s.ready          ? " (every copy of some slices is lost now)"
+                                      : " (it was lost before it was ready)"));
+      return;
+    }
+    s.lost = true;
+    servers_lost_.push_back(id);
+    left_out_.push_back(std::move(lost));
+    peers_.erase(s.peer);
+    transport_->Close(s.peer);
+    ++counters_.servers_lost;
+    audit_.Member("lost", "server", id, fmt::format("{}:{}", s.host, s.port), what);
+    spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
+                 "on with {} of {} server(s)",
+                 id, what, servers_.size() - servers_lost_.size(), servers_.size());
+    FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
+    gone.set_gone_server(id);
+    gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
+    for (const auto& [w, entry] : workers_) (void)SendControl(*transport_, entry.peer, gone);
+    for (const auto& [o, peer] : observers_) (void)SendControl(*transport_, peer, gone);
+    for (const ServerEntry& live : LiveServers()) (void)SendControl(*transport_, live.peer, gone);
+    if (auto v = checkpoints_.in_flight_version()) {
+      if (checkpoints_.Reported(rank, *v, LostServersFile(id))) StopIfCheckpointSettled();
+    }
+    Progress();
+  }
+
   void RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close = true) {
     auto next = rule_.Remove(id, failed);
     if (!next.ok()) return;
@@ -705,7 +781,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader gone = MakeHeader(MsgType::kWorkerGone, kSchedulerId);
     gone.set_gone_worker(id);
     gone.set_next_clock(*next);
-    for (const ServerEntry& s : servers_) (void)SendControl(*transport_, s.peer, gone);
+    for (const ServerEntry& s : LiveServers()) (void)SendControl(*transport_, s.peer, gone);
     if (auto wit = workers_.find(id); wit != workers_.end()) {
       if (failed && close) transport_->Close(wit->second.peer);
       workers_.erase(wit);
@@ -762,7 +838,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       EncodeRound(round_entries_, meta_buf_);
       FrameHeader h = MakeHeader(MsgType::kRound, kSchedulerId);
       h.set_round(rec.round);
-      for (const ServerEntry& s : servers_) {
+      for (const ServerEntry& s : LiveServers()) {
         (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
       }
       audit_.Round(rec);
@@ -797,7 +873,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         !waiting_.empty()) {
       return;
     }
-    for (const ServerEntry& s : servers_) {
+    for (const ServerEntry& s : LiveServers()) {
       if (s.applied < rule_.open_round()) return;
     }
     // The final checkpoint, before anyone is told the job is over; this runs again when it
@@ -812,7 +888,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (checkpoints_.enabled() && !checkpoints_.last_result().ok()) {
       // Training is done, but what the user asked to keep of it is not: say so loudly.
       FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-      for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+      for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
       Finish(checkpoints_.last_result().WithContext("the job's final checkpoint"));
       return;
     }
@@ -836,7 +912,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     spdlog::info("scheduler: every worker is gone and all {} round(s) are applied; ending the job",
                  rule_.open_round());
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-    for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+    for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
     Finish(Status::Ok());
   }
 
@@ -865,7 +941,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (!why.ok()) spdlog::error("scheduler: {}", why.message());
     stop_result_ = std::move(why);
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-    for (const ServerEntry& s : servers_) SendTracked(s.peer, h);
+    for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
     stop_ = true;
     cv_.notify_all();
   }
@@ -876,6 +952,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     CheckpointManifest m;
     m.version = rounds_announced_;
     m.num_servers = cfg_.num_servers;
+    m.replicas = cfg_.replicas;
     m.slice_bytes = cfg_.slice_bytes;
     m.sync = rule_.mode().ToString();
     m.gradients_committed = prior_gradients_ + gradients_in_rounds_;
@@ -886,7 +963,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);
     h.set_round(version);
     for (const ServerEntry& s : servers_) {
-      Status st = transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
+      Status st = s.lost ? LostServersFile(s.id)
+                         : transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
       if (!st.ok()) (void)checkpoints_.Reported(ServerRank(s.id), version, st);
     }
   }
@@ -985,16 +1063,18 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           RemoveWorker(id, /*failed=*/true,
                        fmt::format("no heartbeat for {} ms", cfg_.heartbeat_timeout_ms));
         }
-        for (const ServerEntry& s : servers_) {
+        std::vector<NodeId> silent;
+        for (const ServerEntry& s : LiveServers()) {
           // A server restoring a checkpoint is busy before it heartbeats; the start timeout
           // covers one that never gets ready.
           if (s.ready && now - s.last_seen > timeout && !transport_->HasUnreadInput(s.peer)) {
-            Finish(Error(StatusCode::kUnavailable,
-                         "server {} stopped answering (no heartbeat for {} ms); the job cannot "
-                         "continue without its slices",
-                         s.id, cfg_.heartbeat_timeout_ms));
-            break;
+            silent.push_back(s.id);
           }
+        }
+        for (NodeId id : silent) {
+          if (finished_ || stop_) break;
+          LoseServer(id, fmt::format("stopped answering (no heartbeat for {} ms)",
+                                     cfg_.heartbeat_timeout_ms));
         }
         const auto quiet = std::chrono::milliseconds(cfg_.start_timeout_ms);
         if (cfg_.start_timeout_ms > 0 && !started_ && !finished_ && now - last_arrival_ > quiet) {
@@ -1036,6 +1116,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::unordered_map<PeerId, PeerInfo> peers_;
   std::unordered_set<PeerId> doomed_;  // refused, being dropped
   std::vector<ServerEntry> servers_;  // by rank
+  std::vector<NodeId> servers_lost_;  // in the order they were lost
+  // left_out_[n]: by rank, the servers among the first n lost (a commit's losses()).
+  std::vector<std::vector<bool>> left_out_{std::vector<bool>(cfg_.num_servers, false)};
   std::map<WorkerId, WorkerEntry> workers_;
   std::vector<std::pair<WorkerId, PeerId>> waiting_;
   std::map<WorkerId, uint64_t> waiting_requests_;

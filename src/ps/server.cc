@@ -15,6 +15,7 @@
 #include "dsync/server.h"
 
 #include <spdlog/spdlog.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -341,6 +342,7 @@ class ServerNode final : public Server, public TransportHandler {
     SliceKey key = 0;
     uint32_t tensor = 0;
     uint32_t index = 0;
+    uint32_t replica = 0;  // which copy of the slice this server holds (0: the primary)
     uint64_t elements = 0;
     std::mutex mu;
     Version version = 0;
@@ -513,7 +515,7 @@ class ServerNode final : public Server, public TransportHandler {
         const uint64_t per = SliceElements();
         Status st = ledger_.Place(h.tensor(),
                                   static_cast<uint32_t>((im.tensor_elements + per - 1) / per),
-                                  h.slice());
+                                  h.slice(), h.replica());
         if (st.ok()) st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
         if (!st.ok()) {
           lock.unlock();
@@ -525,6 +527,7 @@ class ServerNode final : public Server, public TransportHandler {
         s->key = key;
         s->tensor = h.tensor();
         s->index = h.slice();
+        s->replica = h.replica();
         s->elements = n;
         s->version = stats_.rounds_applied;  // it exists from the current model version on
         // A tensor's slices here share the optimizer of its first registration.
@@ -643,7 +646,8 @@ class ServerNode final : public Server, public TransportHandler {
           // A change of the learning rate made before this server joined.
           if (job_.learning_rate) lr_schedule_[job_.learning_rate->first] = job_.learning_rate->second;
           clients_.Configure(*job_.job_key, job_.id);
-          ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync));
+          ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync),
+                            job_.replicas);
           if (job_.restore) result_ = RestoreCheckpoint(*job_.restore);
           if (!result_.ok()) {
             spdlog::error("server {}: {}", id_.load(), result_.message());
@@ -693,6 +697,12 @@ class ServerNode final : public Server, public TransportHandler {
       }
       case MsgType::kWorkerGone:
         DiscardUncommitted(h.gone_worker(), h.next_clock());
+        return;
+      case MsgType::kServerGone:
+        // Its slices' other copies (some here) carry on; nothing changes on this server: it
+        // applies the same rounds to what it holds, and workers pull from the next copy.
+        spdlog::warn("server {}: the scheduler lost server {} ({} server(s) lost so far)",
+                     id_.load(), h.gone_server(), h.losses());
         return;
       case MsgType::kCheckpoint: {
         // Queued behind the rounds before it: the apply thread writes it in order.
@@ -915,6 +925,7 @@ class ServerNode final : public Server, public TransportHandler {
         CheckpointSlice cs;
         cs.tensor = s->tensor;
         cs.slice = s->index;
+        cs.replica = s->replica;
         cs.meta = InitMeta{t.name, t.elements, uint64_t{s->index} * SliceElements(), t.optimizer,
                            t.shape};
         std::lock_guard slock(s->mu);
@@ -965,7 +976,8 @@ class ServerNode final : public Server, public TransportHandler {
                      from.file, cs.meta.name, cs.slice);
       }
       DSYNC_RETURN_IF_ERROR(ledger_.Place(
-          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice));
+          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice,
+          cs.replica));
       DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
                                 .WithContext(fmt::format("restoring '{}'", from.file)));
       auto t = tensors_.try_emplace(cs.tensor,
@@ -976,6 +988,7 @@ class ServerNode final : public Server, public TransportHandler {
       s->key = key;
       s->tensor = cs.tensor;
       s->index = cs.slice;
+      s->replica = cs.replica;
       s->elements = n;
       s->version = c.version;
       s->optimizer = t.first->second.optimizer;
@@ -1008,12 +1021,17 @@ class ServerNode final : public Server, public TransportHandler {
         lo = std::min(lo, v);
         hi = std::max(hi, v);
       }
+      // The CRC-32 of the values' bytes: copies of a slice on other servers compare by it.
+      const auto crc = static_cast<unsigned long>(
+          crc32(crc32(0, nullptr, 0), reinterpret_cast<const Bytef*>(values.data()),
+                static_cast<uInt>(values.size() * sizeof(float))));
       std::fprintf(f,
-                   "%s\n{\"tensor\":%u,\"slice\":%u,\"version\":%llu,\"elements\":%llu,"
-                   "\"min\":%.9g,\"max\":%.9g,\"sum\":%.17g}",
-                   i ? "," : "", s.tensor, s.index, static_cast<unsigned long long>(s.version),
+                   "%s\n{\"tensor\":%u,\"slice\":%u,\"replica\":%u,\"version\":%llu,"
+                   "\"elements\":%llu,\"min\":%.9g,\"max\":%.9g,\"sum\":%.17g,\"crc32\":%lu}",
+                   i ? "," : "", s.tensor, s.index, s.replica,
+                   static_cast<unsigned long long>(s.version),
                    static_cast<unsigned long long>(s.elements), static_cast<double>(lo),
-                   static_cast<double>(hi), sum);
+                   static_cast<double>(hi), sum, crc);
     }
     std::fprintf(f, "]}\n");
     std::fclose(f);

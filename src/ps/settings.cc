@@ -212,6 +212,10 @@ constexpr Setting kSettings[] = {
   {"DSYNC_NUM_SERVERS", {"DMLC_NUM_SERVER"}, "--num-servers", "servers in the job",
    S::kCluster, true, false, SetUnsigned<&Config::num_servers>,
    GetNumber<&Config::num_servers>},
+  {"DSYNC_REPLICAS", {}, "--replicas",
+   "copies of every slice on distinct servers: 1 (a lost server ends the job) or more (its "
+   "slices' backups take over and the job goes on)", S::kJob, true, false,
+   SetUnsigned<&Config::replicas>, GetNumber<&Config::replicas>},
   {"DSYNC_NUM_WORKERS", {"DMLC_NUM_WORKER"}, "--num-workers",
    "workers that start the job together; more may join later", S::kCluster, true, false,
    SetUnsigned<&Config::num_workers>, GetNumber<&Config::num_workers>},

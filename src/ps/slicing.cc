@@ -32,6 +32,16 @@ Result<TensorLayout> SlicePlanner::Plan(TensorId tensor, uint64_t elements) {
   return layout;
 }
 
+bool EverySliceHasACopy(const std::vector<bool>& lost, uint32_t replicas) {
+  const size_t n = lost.size();
+  for (size_t start = 0; start < n; ++start) {
+    size_t j = 0;
+    while (j < replicas && j < n && lost[(start + j) % n]) ++j;
+    if (j == replicas || j == n) return false;
+  }
+  return true;
+}
+
 void SlicePlanner::Unplan(const TensorLayout& latest) {
   next_slot_ -= std::min<uint64_t>(next_slot_, latest.slices.size());
 }

@@ -27,6 +27,17 @@ struct TensorLayout {
   std::vector<SliceRef> slices;
 };
 
+// Copy j (0: the primary) of a slice whose primary is on rank `primary` lives on the j-th
+// rank after it: the replicas of a slice are on distinct servers while j < num_servers.
+inline uint32_t ReplicaRank(uint32_t primary, uint32_t j, uint32_t num_servers) {
+  return static_cast<uint32_t>((uint64_t{primary} + j) % num_servers);
+}
+
+// Whether every slice still has a live copy with `replicas` copies per slice once the ranks
+// marked in `lost` are gone: no `replicas` ranks in a row (cyclically) are all lost. That
+// holds whatever tensors exist, so it is what the job checks before it goes on.
+bool EverySliceHasACopy(const std::vector<bool>& lost, uint32_t replicas);
+
 class SlicePlanner {
  public:
   // slice_bytes is rounded down to whole elements (at least one).

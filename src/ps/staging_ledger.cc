@@ -5,22 +5,34 @@
 namespace dsync::ps {
 
 void StagingLedger::Configure(const JobKey& key, NodeId server, uint32_t num_servers,
-                              uint32_t window) {
+                              uint32_t window, uint32_t replicas) {
   std::lock_guard lock(mu_);
   key_ = key;
   server_ = server;
   rank_ = server - kFirstServerId;
   num_servers_ = std::max<uint32_t>(1, num_servers);
   window_ = window;
+  replicas_ = std::clamp<uint32_t>(replicas, 1, num_servers_);
 }
 
-Status StagingLedger::Place(TensorId tensor, uint32_t slices, uint32_t slice) {
+Status StagingLedger::Place(TensorId tensor, uint32_t slices, uint32_t slice, uint32_t replica) {
   std::lock_guard lock(mu_);
-  const uint32_t first = static_cast<uint32_t>(
-      (rank_ + num_servers_ - slice % num_servers_) % num_servers_);
-  // Slices s with (first + s) mod S == rank live here: the first at s = k0.
-  const uint32_t k0 = (rank_ + num_servers_ - first) % num_servers_;
-  const uint32_t here = k0 < slices ? 1 + (slices - 1 - k0) / num_servers_ : 0;
+  if (replica >= replicas_ || slice >= slices) {
+    return Error(StatusCode::kInvalidArgument,
+                 "tensor {}: copy {} of slice {} of {} does not exist (the job keeps {} "
+                 "cop{} of each slice)",
+                 tensor, replica, slice, slices, replicas_, replicas_ == 1 ? "y" : "ies");
+  }
+  const uint64_t s = num_servers_;
+  const auto first = static_cast<uint32_t>((rank_ + 2 * s - slice % s - replica) % s);
+  // Copy d of slice k lives here when (first + k + d) mod S == rank: for each d < R, the
+  // slices k = k0, k0 + S, ... with k0 = (rank - first - d) mod S. R <= S, so no slice is
+  // counted twice.
+  uint32_t here = 0;
+  for (uint32_t d = 0; d < replicas_; ++d) {
+    const auto k0 = static_cast<uint32_t>((rank_ + 2 * s - first - d) % s);
+    if (k0 < slices) here += 1 + (slices - 1 - k0) / num_servers_;
+  }
   auto [it, fresh] = placement_.try_emplace(tensor, Placement{slices, first, here});
   Placement& p = it->second;
   if (!fresh && (p.slices != slices || p.first_rank != first)) {

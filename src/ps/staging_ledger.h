@@ -5,10 +5,11 @@
 // - receipts: when every slice this server holds of a tensor is staged for (worker, clock),
 //   the push that completed it is acknowledged with a receipt the scheduler can check.
 //
-// Tensors are placed with the slice planner's rule: slice s of tensor t lives on server rank
-// (first_rank_t + s) mod S. A server learns first_rank_t from the first slice of t it holds
-// and refuses slices that contradict it, so the placement a receipt attests is the one every
-// slice of it follows.
+// Tensors are placed with the slice planner's rule: slice s of tensor t has its primary on
+// server rank (first_rank_t + s) mod S and its copy j on the j-th rank after that (j < R, the
+// job's replicas). A server learns first_rank_t from the first slice of t it holds (its index
+// and copy number) and refuses slices that contradict it, so the placement a receipt attests
+// is the one every slice of it follows.
 //
 // Thread-safe; small vectors scanned linearly (entries exist only for clocks in flight) and
 // reused, so the push path allocates nothing in steady state.
@@ -30,11 +31,12 @@ class StagingLedger {
  public:
   StagingLedger() = default;
   // Known once the scheduler admitted this server.
-  void Configure(const JobKey& key, NodeId server, uint32_t num_servers, uint32_t window);
+  void Configure(const JobKey& key, NodeId server, uint32_t num_servers, uint32_t window,
+                 uint32_t replicas = 1);
 
-  // A slice of tensor t (`slices` in all) with index `slice` is created here: records (or
+  // Copy `replica` of slice `slice` of tensor t (`slices` in all) is created here: records (or
   // checks against) the tensor's placement. InvalidArgument when it cannot be this server's.
-  Status Place(TensorId tensor, uint32_t slices, uint32_t slice);
+  Status Place(TensorId tensor, uint32_t slices, uint32_t slice, uint32_t replica = 0);
 
   // Before a push's payload is read: may worker w stage a slice of `clock` here?
   // ResourceExhausted past the quota; FailedPrecondition for a clock already applied.
@@ -77,6 +79,7 @@ class StagingLedger {
   NodeId server_ = 0;
   uint32_t rank_ = 0;
   uint32_t num_servers_ = 1;
+  uint32_t replicas_ = 1;
   uint32_t window_ = 2;
   std::unordered_map<TensorId, Placement> placement_;
   std::vector<Progress> progress_;

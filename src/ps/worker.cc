@@ -31,6 +31,7 @@ namespace {
 
 constexpr uint32_t kNoOp = std::numeric_limits<uint32_t>::max();
 constexpr Clock kNever = std::numeric_limits<Clock>::max();
+constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
 using SteadyClock = std::chrono::steady_clock;
 
 class WorkerNode final : public Worker, public TransportHandler {
@@ -77,6 +78,11 @@ class WorkerNode final : public Worker, public TransportHandler {
       job_.start_clock = w.start_clock;
       job_.observer = w.observer;
       planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
+      replicas_ = std::clamp<uint32_t>(w.replicas, 1, job_.num_servers);
+      server_lost_.assign(job_.num_servers, false);
+      server_cut_.assign(job_.num_servers, std::nullopt);
+      for (NodeId lost : w.servers_lost) server_lost_[ServerRank(lost)] = true;
+      losses_ = static_cast<uint32_t>(w.servers_lost.size());
       clock_ = w.start_clock;
       gate_clock_ = w.start_clock;
       gate_ = w.gate;
@@ -84,15 +90,36 @@ class WorkerNode final : public Worker, public TransportHandler {
     hello.node = w.id;
     hello.credential = w.credential;
     for (const ServerAddress& s : w.servers) {
-      DSYNC_ASSIGN_OR_RETURN(PeerId peer,
-                             transport_->Connect(s.host, s.port, cfg_.connect_timeout_ms));
+      if (ServerRank(s.id) != servers_.size()) {
+        return Error(StatusCode::kProtocol, "the scheduler listed server {} out of rank order", s.id);
+      }
+      // A server lost before (or while) this worker joins is skipped: its copies serve.
+      const auto lost = [&] {
+        std::lock_guard lock(mu_);
+        return server_lost_[ServerRank(s.id)];
+      };
+      const auto skip = [&] {
+        std::lock_guard lock(mu_);
+        if (servers_.size() == ServerRank(s.id)) servers_.push_back(kNoPeer);
+      };
+      if (lost()) {
+        skip();
+        continue;
+      }
+      Result<PeerId> connected = transport_->Connect(s.host, s.port, cfg_.connect_timeout_ms);
+      if (!connected.ok() && lost()) {
+        skip();
+        continue;
+      }
+      DSYNC_ASSIGN_OR_RETURN(PeerId peer, std::move(connected));
       {
         std::lock_guard lock(mu_);
         servers_.push_back(peer);
         server_ids_[peer] = s.id;
       }
-      DSYNC_ASSIGN_OR_RETURN(std::string proof,
-                             Handshake(peer, hello, fmt::format("server {}", s.id)));
+      Result<std::string> answer = Handshake(peer, hello, fmt::format("server {}", s.id));
+      if (!answer.ok() && lost()) continue;
+      DSYNC_ASSIGN_OR_RETURN(std::string proof, std::move(answer));
       // The server proves it is the one the scheduler named (ps/keys.h): a node that merely
       // listens at that address learns nothing and gets no gradients.
       Tag got{};
@@ -110,13 +137,15 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     heartbeat_ = std::thread([this, interval = w.heartbeat_interval_ms] { Heartbeat(interval); });
+    const std::string copies =
+        replicas_ > 1 ? fmt::format(", {} copies of each slice", replicas_) : std::string();
     if (job_.observer) {
-      spdlog::info("observer {} connected (sync {}, {} server(s))", job_.worker_id,
-                   job_.sync.ToString(), job_.num_servers);
+      spdlog::info("observer {} connected (sync {}, {} server(s){})", job_.worker_id,
+                   job_.sync.ToString(), job_.num_servers, copies);
     } else {
-      spdlog::info("worker {} joined (sync {}, {} server(s), counts from round {}, clock {})",
-                   job_.worker_id, job_.sync.ToString(), job_.num_servers, job_.join_round,
-                   clock_);
+      spdlog::info("worker {} joined (sync {}, {} server(s){}, counts from round {}, clock {})",
+                   job_.worker_id, job_.sync.ToString(), job_.num_servers, copies,
+                   job_.join_round, clock_);
     }
     return Status::Ok();
   }
@@ -175,18 +204,29 @@ class WorkerNode final : public Worker, public TransportHandler {
     const Tensor& tensor = tensors_.back();
 
     const uint32_t op = NewOp(OpKind::kInit, id);
-    ops_[op].outstanding = static_cast<uint32_t>(tensor.layout.slices.size());
     ops_[op].version = std::numeric_limits<Version>::max();
+    ops_[op].at_server.assign(job_.num_servers, 0);
     std::vector<std::byte> meta;
     for (const SliceRef& s : tensor.layout.slices) {
       EncodeInit({tensor.name, init.size(), s.offset, options.optimizer, options.shape}, meta);
-      FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
-      Status st = SendPayload(servers_[s.server], h, meta, init.data() + s.offset,
-                              s.elements * sizeof(float));
-      if (!st.ok()) {
-        FinishOp(op, st);
-        break;
+      for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy, on its own server
+        const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
+        if (server_lost_[rank]) continue;
+        FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
+        h.set_replica(j);
+        ++ops_[op].outstanding;
+        ++ops_[op].at_server[rank];
+        Status st = SendPayload(servers_[rank], h, meta, init.data() + s.offset,
+                                s.elements * sizeof(float));
+        if (!st.ok() && !ToleratedSendFailure(rank, st)) {
+          FinishOp(op, st);
+          break;
+        }
       }
+      if (ops_[op].done) break;
+    }
+    if (ops_[op].outstanding == 0 && !ops_[op].done) {
+      FinishOp(op, Error(StatusCode::kUnavailable, "every copy of tensor '{}' is lost", name));
     }
     Status st = WaitLocked(lock, op, nullptr);
     registering_ = false;
@@ -355,7 +395,7 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   // --- TransportHandler ---------------------------------------------------------------
 
-  void* OnHeader(PeerId, const FrameHeader& h, std::span<const std::byte>) override {
+  void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte>) override {
     if (h.msg_type() != MsgType::kPullReply) return nullptr;
     std::lock_guard lock(mu_);
     const uint32_t op = OpOf(h.request);
@@ -365,6 +405,11 @@ class WorkerNode final : public Worker, public TransportHandler {
     const auto& slices = tensors_[h.tensor()].layout.slices;
     if (h.slice() >= slices.size() ||
         h.payload_len != slices[h.slice()].elements * sizeof(float)) {
+      return nullptr;
+    }
+    // Only the copy this slice was asked of writes into the caller's tensor: a lost server's
+    // late answer (the pull went to another copy meanwhile) is dropped.
+    if (h.slice() >= ops_[op].asked.size() || ops_[op].asked[h.slice()] != RankOf(peer)) {
       return nullptr;
     }
     ++ops_[op].receiving;  // Wait() must not return while the transport writes here
@@ -381,6 +426,8 @@ class WorkerNode final : public Worker, public TransportHandler {
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void* payload) override {
     std::lock_guard lock(mu_);
+    // Frames a lost server sent before its loss was heard of here.
+    if (losses_ > 0 && peer != scheduler_ && IsLost(peer)) return;
     switch (h.msg_type()) {
       case MsgType::kHelloAck:
         handshake_reply_ = std::string(AsText(meta));
@@ -399,7 +446,7 @@ class WorkerNode final : public Worker, public TransportHandler {
         break;
       case MsgType::kInitAck:
       case MsgType::kPushAck:
-        OnSliceAck(h, meta);
+        OnSliceAck(peer, h, meta);
         break;
       case MsgType::kPullReply:
         OnPullReply(h, payload);
@@ -421,6 +468,9 @@ class WorkerNode final : public Worker, public TransportHandler {
       case MsgType::kShutdown:
         if (job_.observer && peer == scheduler_) final_version_ = h.final_version();
         break;
+      case MsgType::kServerGone:
+        if (peer == scheduler_) OnServerLost(h.gone_server(), h.losses());
+        break;
       default:
         spdlog::warn("worker {}: unexpected {} frame", job_.worker_id, MsgTypeName(h.msg_type()));
     }
@@ -437,8 +487,15 @@ class WorkerNode final : public Worker, public TransportHandler {
       return;
     }
     if (leaving_ || left_) return;
+    if (peer != scheduler_ && IsLost(peer)) return;  // closed here once the scheduler said so
     const std::string who = peer == scheduler_ ? std::string("the scheduler")
                                                : fmt::format("server {}", server_ids_[peer]);
+    if (peer != scheduler_ && replicas_ > 1) {
+      // Its slices have other copies: the scheduler, which hears of the loss too, says when
+      // to stop waiting for it (kServerGone). Until then nothing it owed is given up.
+      CutFromServer(RankOf(peer), why);
+      return;
+    }
     Break(Error(StatusCode::kUnavailable, "lost the connection to {}: {}", who, why.message()));
   }
 
@@ -463,6 +520,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     Version min_version = 0;  // pulls: the version the servers were asked to wait for
     uint64_t trace = 0;     // pulls: the open "worker: pull" range
     Status status;
+    // Kept across reuse of the record (capacity only), so that steady state allocates nothing:
+    std::vector<uint32_t> at_server;  // inits: answers still owed, by server rank
+    std::vector<uint32_t> asked;      // pulls: the rank each slice was asked of (kNoRank: read)
   };
   struct Tensor {
     std::string name;
@@ -480,7 +540,11 @@ class WorkerNode final : public Worker, public TransportHandler {
     bool complete = false;     // every tensor pushed, or Advance()
     bool commit_sent = false;
     uint32_t advance_op = kNoOp;
-    CommitProof proof;         // tensors pushed (none: an empty commit), receipts so far
+    CommitProof proof;         // tensors pushed (none: an empty commit); receipts: below
+    // By server rank: acknowledgements still owed and the receipts got, so that a lost
+    // server's share can be taken out of the commit (its receipts are left out, losses()).
+    std::vector<uint32_t> acks_at;
+    std::vector<Tag> receipts_at;
   };
 
   // Sends the hello and waits for the answer. The scheduler may hold a worker until every
@@ -520,8 +584,14 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     Op& op = ops_[i];
     const uint32_t gen = op.gen + 1;
+    std::vector<uint32_t> at_server = std::move(op.at_server);
+    std::vector<uint32_t> asked = std::move(op.asked);
     op = Op{};
     op.gen = gen;
+    op.at_server = std::move(at_server);
+    op.at_server.clear();
+    op.asked = std::move(asked);
+    op.asked.clear();
     op.kind = kind;
     op.in_use = true;
     op.tensor = tensor;
@@ -649,8 +719,6 @@ class WorkerNode final : public Worker, public TransportHandler {
     ops_[op].detached = detached;
     Tensor& t = tensors_[tensor];
     ClockState& cs = CurrentClockState();
-    ops_[op].outstanding = static_cast<uint32_t>(t.layout.slices.size());
-    cs.acks_outstanding += ops_[op].outstanding;
     // What the commit will claim, kept in ascending tensor order (CommitProof).
     const CommittedTensor claim{tensor, static_cast<uint32_t>(t.layout.slices.size()),
                                 t.layout.slices.front().server};
@@ -664,10 +732,17 @@ class WorkerNode final : public Worker, public TransportHandler {
       FrameHeader h = SliceHeader(MsgType::kPush, op, tensor, s);
       h.set_clock(clock_);
       h.set_base(cs.base);
-      st = SendPayload(servers_[s.server], h, {}, grad + s.offset, s.elements * sizeof(float));
-      if (!st.ok()) {
-        Break(st.WithContext(fmt::format("push tensor {}", tensor)));
-        return HandleOf(op);
+      for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy stages it
+        const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
+        if (server_lost_[rank]) continue;
+        ++ops_[op].outstanding;
+        ++cs.acks_outstanding;
+        ++cs.acks_at[rank];
+        st = SendPayload(servers_[rank], h, {}, grad + s.offset, s.elements * sizeof(float));
+        if (!st.ok() && !ToleratedSendFailure(rank, st)) {
+          Break(st.WithContext(fmt::format("push tensor {}", tensor)));
+          return HandleOf(op);
+        }
       }
     }
     t.pushed_clock = clock_;
@@ -700,15 +775,93 @@ class WorkerNode final : public Worker, public TransportHandler {
     Op& o = ops_[op];
     o.sent = true;
     o.min_version = gate_;
+    o.asked.assign(tensors_[o.tensor].layout.slices.size(), kNoRank);
     for (const SliceRef& s : tensors_[o.tensor].layout.slices) {
-      FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
-      h.set_min_version(gate_);  // the server answers once the slice has at least this version
-      Status st = SendControl(*transport_, servers_[s.server], h);
-      if (!st.ok()) {
-        Break(st.WithContext(fmt::format("pull tensor {}", o.tensor)));
-        return;
+      if (!SendPull(op, s)) return;
+    }
+  }
+
+  // Asks the first live copy of slice `s` for the pull `op`; false once the worker broke.
+  bool SendPull(uint32_t op, const SliceRef& s) {
+    Op& o = ops_[op];
+    std::optional<uint32_t> rank;
+    for (uint32_t j = 0; j < replicas_ && !rank; ++j) {
+      const uint32_t r = ReplicaRank(s.server, j, job_.num_servers);
+      if (!server_lost_[r]) rank = r;
+    }
+    if (!rank) {
+      Break(Error(StatusCode::kUnavailable, "every copy of tensor {} slice {} is lost", o.tensor,
+                  s.index));
+      return false;
+    }
+    o.asked[s.index] = *rank;
+    FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
+    // The server answers once the slice has at least this version: the gate, and never older
+    // than what this worker read of it already (another copy may trail the one read before).
+    h.set_min_version(std::max(gate_, tensors_[o.tensor].slice_version[s.index]));
+    Status st = SendControl(*transport_, servers_[*rank], h);
+    if (!st.ok() && !ToleratedSendFailure(*rank, st)) {
+      Break(st.WithContext(fmt::format("pull tensor {}", o.tensor)));
+      return false;
+    }
+    return true;
+  }
+
+  uint32_t RankOf(PeerId peer) const {
+    auto it = server_ids_.find(peer);
+    return it == server_ids_.end() ? kNoRank : ServerRank(it->second);
+  }
+
+  bool IsLost(PeerId peer) const {
+    const uint32_t rank = RankOf(peer);
+    return rank != kNoRank && server_lost_[rank];
+  }
+
+  // A frame that cannot go to a server whose slices have other copies: its loss, which the
+  // scheduler announces, releases what is owed (OnServerLost). With one copy it is fatal.
+  bool ToleratedSendFailure(uint32_t rank, const Status& why) {
+    if (replicas_ <= 1) return false;
+    CutFromServer(rank, why);
+    return true;
+  }
+
+  void CutFromServer(uint32_t rank, const Status& why) {
+    if (rank == kNoRank || server_lost_[rank] || server_cut_[rank]) return;
+    server_cut_[rank] = SteadyClock::now();
+    spdlog::warn("worker {}: lost the connection to server {} ({}); waiting up to {} ms for the "
+                 "scheduler to confirm its loss, its slices' other copies then serve",
+                 job_.worker_id, kFirstServerId + rank, why.message(), cfg_.connect_timeout_ms);
+  }
+
+  // The scheduler lost a server: what it owed is given up, its share of every commit's
+  // receipts taken out, and pulls it was asked go to the next copy of each slice.
+  void OnServerLost(NodeId server, uint32_t losses) {
+    const uint32_t rank = ServerRank(server);
+    if (rank >= server_lost_.size() || server_lost_[rank] || losses <= losses_) return;
+    server_lost_[rank] = true;
+    losses_ = losses;
+    spdlog::warn("worker {}: server {} was lost; its slices' other copies serve from now on",
+                 job_.worker_id, server);
+    if (rank < servers_.size() && servers_[rank] != kNoPeer) transport_->Close(servers_[rank]);
+    for (ClockState& cs : clocks_) {
+      cs.acks_outstanding -= std::min(cs.acks_outstanding, cs.acks_at[rank]);
+      cs.acks_at[rank] = 0;
+      cs.receipts_at[rank] = kZeroTag;
+    }
+    for (uint32_t i = 0; i < ops_.size() && broken_.ok(); ++i) {
+      Op& o = ops_[i];
+      if (!o.in_use || o.done) continue;
+      if (o.kind == OpKind::kInit && rank < o.at_server.size() && o.at_server[rank] > 0) {
+        o.outstanding -= std::min(o.outstanding, o.at_server[rank]);
+        o.at_server[rank] = 0;
+        if (o.outstanding == 0) FinishOp(i, Status::Ok());
+      } else if (o.kind == OpKind::kPull && o.sent) {
+        for (const SliceRef& s : tensors_[o.tensor].layout.slices) {
+          if (o.asked[s.index] == rank && !SendPull(i, s)) break;
+        }
       }
     }
+    TryCommit();
   }
 
   ClockState& CurrentClockState() {
@@ -718,6 +871,10 @@ class WorkerNode final : public Worker, public TransportHandler {
       cs.base = base_;  // what the gradient was computed on: the pulls done before pushing
       cs.proof.tensors = std::move(spare_claims_);  // capacity from a committed clock
       cs.proof.tensors.clear();
+      cs.acks_at = std::move(spare_acks_);
+      cs.acks_at.assign(job_.num_servers, 0);
+      cs.receipts_at = std::move(spare_receipts_);
+      cs.receipts_at.assign(job_.num_servers, kZeroTag);
       clocks_.push_back(std::move(cs));
     }
     return clocks_.back();
@@ -748,7 +905,12 @@ class WorkerNode final : public Worker, public TransportHandler {
     FrameHeader h = MakeHeader(MsgType::kCommit, job_.worker_id);
     h.set_clock(cs.clock);
     h.set_base(cs.base);
+    h.set_losses(losses_);
     h.flags = empty ? kFlagEmpty : 0;
+    cs.proof.receipts = kZeroTag;
+    for (uint32_t r = 0; r < cs.receipts_at.size(); ++r) {
+      if (!server_lost_[r]) XorInto(cs.proof.receipts, cs.receipts_at[r]);
+    }
     EncodeCommit(cs.proof, commit_meta_);
     Status st = transport_->Send(scheduler_, h, commit_meta_, nullptr, 0);
     if (!st.ok()) {
@@ -758,11 +920,15 @@ class WorkerNode final : public Worker, public TransportHandler {
     cs.commit_sent = true;
   }
 
-  void OnSliceAck(const FrameHeader& h, std::span<const std::byte> meta) {
+  void OnSliceAck(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     const uint32_t op = OpOf(h.request);
     if (op == kNoOp) return;
     Op& o = ops_[op];
+    const uint32_t rank = RankOf(peer);
+    if (rank == kNoRank) return;
     if (o.kind == OpKind::kInit) {
+      if (o.done || rank >= o.at_server.size() || o.at_server[rank] == 0) return;
+      --o.at_server[rank];
       o.version = std::min(o.version, h.slice_version());
       if (h.tensor() < tensors_.size() &&
           h.slice() < tensors_[h.tensor()].slice_version.size()) {
@@ -774,13 +940,14 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     if (o.kind != OpKind::kPush) return;
     for (ClockState& cs : clocks_) {
-      if (cs.clock != o.clock) continue;
-      if (cs.acks_outstanding > 0) --cs.acks_outstanding;
+      if (cs.clock != o.clock || cs.acks_at[rank] == 0) continue;
+      --cs.acks_at[rank];
+      --cs.acks_outstanding;
       // The server staged every slice of the tensor it holds: its receipt, for the commit.
       if (meta.size() == kZeroTag.size()) {
         Tag receipt;
         std::memcpy(receipt.data(), meta.data(), receipt.size());
-        XorInto(cs.proof.receipts, receipt);
+        XorInto(cs.receipts_at[rank], receipt);
       }
     }
     if (o.outstanding > 0) --o.outstanding;
@@ -796,6 +963,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     ClockState cs = std::move(clocks_.front());
     clocks_.erase(clocks_.begin());
     spare_claims_ = std::move(cs.proof.tensors);
+    spare_acks_ = std::move(cs.acks_at);
+    spare_receipts_ = std::move(cs.receipts_at);
     if (h.flags & kFlagStop) stop_requested_ = true;
     for (uint32_t i = 0; i < ops_.size(); ++i) {
       Op& o = ops_[i];
@@ -830,6 +999,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     Op& o = ops_[op];
     if (o.receiving > 0) --o.receiving;
     if (o.done) return;  // failed meanwhile (Break); the waiter only needed receiving == 0
+    o.asked[h.slice()] = kNoRank;  // read (OnHeader checked the slice and who answered)
     Tensor& t = tensors_[o.tensor];
     const Version v = h.slice_version();
     if (v < t.slice_version[h.slice()]) {
@@ -904,6 +1074,16 @@ class WorkerNode final : public Worker, public TransportHandler {
     while (!heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(interval_ms),
                                    [&] { return stop_ || leaving_; })) {
       (void)SendControl(*transport_, scheduler_, MakeHeader(MsgType::kHeartbeat, job_.worker_id));
+      const auto limit = std::chrono::milliseconds(cfg_.connect_timeout_ms);
+      for (uint32_t r = 0; r < server_cut_.size() && broken_.ok(); ++r) {
+        if (server_cut_[r] && !server_lost_[r] && SteadyClock::now() - *server_cut_[r] > limit) {
+          // The scheduler still counts it: the network between this worker and it failed.
+          Break(Error(StatusCode::kUnavailable,
+                      "lost the connection to server {} and the scheduler did not report it "
+                      "lost within {} ms: the network between this worker and it is cut",
+                      kFirstServerId + r, cfg_.connect_timeout_ms));
+        }
+      }
     }
   }
 
@@ -939,6 +1119,14 @@ class WorkerNode final : public Worker, public TransportHandler {
   uint32_t payload_waiters_ = 0;             // Wait() calls waiting for them to end
   std::vector<std::byte> commit_meta_;       // reused for every commit
   std::vector<CommittedTensor> spare_claims_;  // reused by the next clock
+  std::vector<uint32_t> spare_acks_;           // likewise
+  std::vector<Tag> spare_receipts_;
+  uint32_t replicas_ = 1;                     // copies of every slice
+  std::vector<bool> server_lost_;             // by rank: the scheduler said it is lost
+  // By rank: when this worker's connection to the server ended before the scheduler said it
+  // was lost (a server that dies is lost for the scheduler too; this bounds the wait).
+  std::vector<std::optional<SteadyClock::time_point>> server_cut_;
+  uint32_t losses_ = 0;                       // servers lost so far, as the scheduler counts
   bool leaving_ = false;
   bool left_ = false;
   // SetLearningRate: the request waiting for the scheduler's answer, and the answer.

@@ -1,0 +1,277 @@
+// Replicated slices (Config::replicas): every copy of a slice applies the same rounds, so
+// copies are bit-identical and the model is the one a single copy would hold; a job that
+// loses a server whose slices have other copies goes on and ends with the same model, bit
+// for bit, as the job that lost nothing; a job that loses every copy of a slice ends, saying
+// so.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "cluster_harness.h"
+#include "ps/checkpoint.h"
+
+namespace dsync {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing::LocalCluster;
+using testing::StartWorkers;
+using testing::TestConfig;
+
+constexpr uint32_t kWorkers = 2;
+constexpr size_t kDim = 100;  // 7 slices of 16 floats (64-byte slices)
+constexpr Clock kClocks = 24;
+
+float GradientOf(uint32_t rank, Clock clock, size_t j) {
+  return 0.01f * std::sin(0.37f * static_cast<float>((clock + 1) * (j + 1)) +
+                          static_cast<float>(rank));
+}
+
+// Adam with weight decay in bsp: every element's state depends on every round, in order.
+Config ReplicaJobConfig(uint32_t servers, uint32_t replicas, const fs::path& dump) {
+  Config cfg = TestConfig("bsp", servers, kWorkers);
+  cfg.replicas = replicas;
+  cfg.optimizer.kind = OptimizerKind::kAdam;
+  cfg.optimizer.lr = 0.05f;
+  cfg.optimizer.weight_decay = 0.01f;
+  cfg.slice_bytes = 64;
+  cfg.dump_model = dump.string();
+  return cfg;
+}
+
+fs::path FreshDir(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() /
+                       ("dsync-replica-" + name + "-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+struct JobResult {
+  std::vector<float> w;  // as every worker pulled it at the end
+  Status finished;
+  SchedulerStats stats;
+};
+
+// Runs kWorkers workers for kClocks clocks; `after_clock(rank, clock, cluster)` runs on each
+// worker's thread once that clock is committed.
+JobResult RunJob(const Config& cfg,
+                 const std::function<void(uint32_t, Clock, LocalCluster&)>& after_clock = {},
+                 Clock end = kClocks) {
+  LocalCluster cluster(cfg);
+  EXPECT_TRUE(cluster.ok());
+  if (!cluster.ok()) return {};
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  EXPECT_EQ(workers.size(), kWorkers);
+  std::vector<std::vector<float>> pulled(workers.size());
+  std::vector<std::thread> threads;
+  for (uint32_t rank = 0; rank < workers.size(); ++rank) {
+    threads.emplace_back([&, rank] {
+      Worker& w = *workers[rank];
+      std::vector<float> params(kDim, 0.5f), grad(kDim);
+      auto id = w.Register("w", params);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      for (Clock c = w.job().start_clock; c < end; ++c) {
+        Status st = w.Wait(w.Pull(*id, params.data()));
+        ASSERT_TRUE(st.ok()) << "clock " << c << ": " << st.ToString();
+        for (size_t j = 0; j < kDim; ++j) grad[j] = GradientOf(rank, c, j);
+        w.Push(*id, grad.data());
+        st = w.WaitAll();
+        ASSERT_TRUE(st.ok()) << "clock " << c << ": " << st.ToString();
+        if (after_clock) after_clock(rank, c, cluster);
+      }
+      ASSERT_TRUE(w.Wait(w.Pull(*id, params.data())).ok());
+      pulled[rank] = params;
+      ASSERT_TRUE(w.Leave().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  JobResult r;
+  r.finished = cluster.WaitFinished();
+  r.stats = cluster.scheduler().stats();
+  for (size_t i = 1; i < pulled.size(); ++i) EXPECT_EQ(pulled[i], pulled[0]);
+  r.w = pulled[0];
+  return r;
+}
+
+// (tensor, slice) -> the CRC-32 of each copy in the servers' dumps.
+std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> Copies(const fs::path& dump) {
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
+  for (const auto& e : fs::directory_iterator(dump)) {
+    json j = json::parse(std::ifstream(e.path()));
+    for (const json& s : j["slices"]) {
+      copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
+          s["crc32"].get<uint64_t>());
+    }
+  }
+  return copies;
+}
+
+void ExpectCopiesEqual(const fs::path& dump, size_t copies_each) {
+  const auto copies = Copies(dump);
+  EXPECT_EQ(copies.size(), (kDim + 15) / 16);
+  for (const auto& [key, crcs] : copies) {
+    EXPECT_EQ(crcs.size(), copies_each) << "tensor " << key.first << " slice " << key.second;
+    for (uint64_t crc : crcs) {
+      EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
+    }
+  }
+}
+
+TEST(Replicas, EveryCopyIsBitIdenticalAndTheModelIsOneCopysBitForBit) {
+  const fs::path one = FreshDir("one"), two = FreshDir("two"), three = FreshDir("three");
+  const JobResult single = RunJob(ReplicaJobConfig(3, 1, one));
+  ASSERT_TRUE(single.finished.ok()) << single.finished.ToString();
+  ASSERT_EQ(single.w.size(), kDim);
+  ExpectCopiesEqual(one, 1);
+  for (const auto& [replicas, dir] : {std::pair{2u, two}, std::pair{3u, three}}) {
+    const JobResult copied = RunJob(ReplicaJobConfig(3, replicas, dir));
+    ASSERT_TRUE(copied.finished.ok()) << copied.finished.ToString();
+    ASSERT_EQ(copied.w.size(), kDim);
+    EXPECT_EQ(0, std::memcmp(copied.w.data(), single.w.data(), kDim * sizeof(float)))
+        << replicas << " copies: w[0] " << copied.w[0] << " vs " << single.w[0];
+    ExpectCopiesEqual(dir, replicas);
+    fs::remove_all(dir);
+  }
+  fs::remove_all(one);
+}
+
+// A server stopped in the middle of a bsp job (its connections end, as when its process dies):
+// its slices' other copies serve the pulls, the remaining rounds are applied on them, and the
+// final model is the one of the job that lost nothing, bit for bit.
+TEST(Replicas, ABspJobThatLosesAServerEndsWithTheSameModelBitForBit) {
+  const fs::path ref = FreshDir("ref"), lost = FreshDir("lost");
+  const JobResult through = RunJob(ReplicaJobConfig(3, 1, ref));
+  ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
+  for (size_t victim : {size_t{0}, size_t{2}}) {
+    fs::remove_all(lost);
+    fs::create_directories(lost);
+    std::atomic<bool> stopped{false};
+    const JobResult failed_over =
+        RunJob(ReplicaJobConfig(3, 2, lost), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
+          if (rank == 0 && c == 8 && !stopped.exchange(true)) cluster.server(victim).Stop();
+        });
+    ASSERT_TRUE(failed_over.finished.ok()) << failed_over.finished.ToString();
+    EXPECT_EQ(failed_over.stats.servers_lost, 1u);
+    EXPECT_EQ(failed_over.stats.rounds_closed, kClocks);
+    ASSERT_EQ(failed_over.w.size(), kDim);
+    EXPECT_EQ(0, std::memcmp(failed_over.w.data(), through.w.data(), kDim * sizeof(float)))
+        << "server " << victim << " lost: w[0] " << failed_over.w[0] << " vs " << through.w[0];
+    // The surviving copies agree; the lost server wrote its dump when it stopped (at clock
+    // 8), so only its copies may differ: checked by counting the survivors' files.
+    size_t files = 0;
+    for (const auto& e : fs::directory_iterator(lost)) {
+      json j = json::parse(std::ifstream(e.path()));
+      if (j["rounds"].get<uint64_t>() == kClocks) {
+        ++files;
+      } else {
+        fs::remove(e.path());
+      }
+    }
+    EXPECT_EQ(files, 2u);
+    const auto copies = Copies(lost);
+    for (const auto& [key, crcs] : copies) {
+      for (uint64_t crc : crcs) EXPECT_EQ(crc, crcs.front()) << "slice " << key.second;
+    }
+  }
+  fs::remove_all(ref);
+  fs::remove_all(lost);
+}
+
+// Two of three servers lost with two copies of each slice: some slice has no copy left, and
+// the job ends saying so instead of serving a partial model.
+TEST(Replicas, LosingEveryCopyOfASliceEndsTheJobSayingSo) {
+  const fs::path dump = FreshDir("all");
+  Config cfg = ReplicaJobConfig(3, 2, dump);
+  cfg.num_workers = 1;
+  LocalCluster cluster(cfg);
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), 1);
+  ASSERT_EQ(workers.size(), 1u);
+  std::vector<float> params(kDim, 0.5f), grad(kDim, 0.01f);
+  auto id = workers[0]->Register("w", params);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  ASSERT_TRUE(workers[0]->Wait(workers[0]->Pull(*id, params.data())).ok());
+  cluster.server(1).Stop();
+  // The job goes on with one server lost...
+  for (int i = 0; i < 3; ++i) {
+    workers[0]->Push(*id, grad.data());
+    ASSERT_TRUE(workers[0]->WaitAll().ok());
+    ASSERT_TRUE(workers[0]->Wait(workers[0]->Pull(*id, params.data())).ok());
+  }
+  // ...not with two.
+  cluster.server(2).Stop();
+  const Status st = cluster.WaitFinished();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("every copy of some slices is lost"), std::string::npos)
+      << st.ToString();
+  EXPECT_EQ(cluster.scheduler().stats().servers_lost, 1u);
+  workers[0]->Abandon();
+  fs::remove_all(dump);
+}
+
+// Each server's checkpoint file holds every copy it keeps; the copies of a slice in the
+// checkpoint are bit-identical, and the job resumed from it with the same copies equals the
+// uninterrupted one bit for bit (another number of copies is refused, naming the one to use).
+TEST(Replicas, CheckpointsHoldEveryCopyAndResumeBitForBit) {
+  const fs::path dump = FreshDir("ckpt-dump"), dir = FreshDir("ckpt");
+  const JobResult through = RunJob(ReplicaJobConfig(3, 2, dump));
+  ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
+  Config first = ReplicaJobConfig(3, 2, dump);
+  first.checkpoint_dir = dir.string();
+  first.checkpoint_every = 5;
+  const JobResult stopped = RunJob(first, {}, 12);
+  ASSERT_TRUE(stopped.finished.ok()) << stopped.finished.ToString();
+  auto found = ps::FindNewestCheckpoint(dir.string(), nullptr);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(found->manifest.version, 12u);
+  EXPECT_EQ(found->manifest.replicas, 2u);
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<const ps::CheckpointSlice*>> copies;
+  std::vector<ps::ServerCheckpoint> files;
+  for (const ps::CheckpointFile& f : found->manifest.files) {
+    auto c = ps::ReadServerCheckpoint((fs::path(found->path) / f.name).string(), f.crc32);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    files.push_back(std::move(c).value());
+  }
+  for (const ps::ServerCheckpoint& c : files) {
+    for (const ps::CheckpointSlice& s : c.slices) copies[{s.tensor, s.slice}].push_back(&s);
+  }
+  EXPECT_EQ(copies.size(), (kDim + 15) / 16);
+  for (const auto& [key, list] : copies) {
+    ASSERT_EQ(list.size(), 2u) << "slice " << key.second;
+    EXPECT_NE(list[0]->replica, list[1]->replica);
+    EXPECT_EQ(list[0]->snapshot.params, list[1]->snapshot.params);
+    EXPECT_EQ(list[0]->snapshot.state, list[1]->snapshot.state) << "Adam's m and v too";
+    EXPECT_EQ(list[0]->snapshot.steps, list[1]->snapshot.steps);
+  }
+
+  Config other = ReplicaJobConfig(3, 1, dump);
+  other.resume = dir.string();
+  auto refused = InProcessCluster::Start(other);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("--replicas 2"), std::string::npos)
+      << refused.status().ToString();
+
+  Config second = ReplicaJobConfig(3, 2, dump);
+  second.resume = dir.string();
+  const JobResult resumed = RunJob(second);
+  ASSERT_TRUE(resumed.finished.ok()) << resumed.finished.ToString();
+  ASSERT_EQ(resumed.w.size(), kDim);
+  EXPECT_EQ(0, std::memcmp(resumed.w.data(), through.w.data(), kDim * sizeof(float)))
+      << "w[0] " << resumed.w[0] << " vs " << through.w[0];
+  fs::remove_all(dir);
+  fs::remove_all(dump);
+}
+
+}  // namespace
+}  // namespace dsync
