@@ -64,18 +64,21 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
       return std::pair(a->meta.slice_offset, a->replica) <
              std::pair(b->meta.slice_offset, b->replica);
     });
-    // Each slice is there once per copy (Config::replicas), and every copy applied the same
-    // rounds: they must be bit-identical (values, optimizer state, step count). One is kept.
+    // Each slice is there once per copy (Config::replicas) kept by a rank that wrote a file,
+    // and every copy applied the same rounds: they must be bit-identical (values, optimizer
+    // state, step count). One is kept.
     std::vector<const ps::CheckpointSlice*> unique;
-    for (size_t i = 0; i < list.size(); i += copies) {
+    for (size_t i = 0; i < list.size();) {
       const ps::CheckpointSlice* a = list[i];
-      for (uint32_t j = 0; j < copies; ++j) {
-        const ps::CheckpointSlice* b = i + j < list.size() ? list[i + j] : nullptr;
-        if (!b || b->slice != a->slice || b->replica != j) {
+      size_t j = i;
+      for (; j < list.size() && list[j]->slice == a->slice; ++j) {
+        const ps::CheckpointSlice* b = list[j];
+        if (b->replica >= copies || (j > i && b->replica == list[j - 1]->replica)) {
           return Error(StatusCode::kDataLoss,
-                       "checkpoint {}: tensor {} ('{}') slice {} is not there {} time(s), once "
-                       "per copy",
-                       found.path, id, a->meta.name, a->slice, copies);
+                       "checkpoint {}: tensor {} ('{}') slice {} has copy {} twice or beyond "
+                       "the job's {} cop{}",
+                       found.path, id, a->meta.name, a->slice, b->replica, copies,
+                       copies == 1 ? "y" : "ies");
         }
         if (b->snapshot.params != a->snapshot.params || b->snapshot.state != a->snapshot.state ||
             b->snapshot.steps != a->snapshot.steps || b->meta.name != a->meta.name ||
@@ -83,12 +86,13 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
             b->meta.optimizer != a->meta.optimizer || b->meta.shape != a->meta.shape) {
           return Error(StatusCode::kDataLoss,
                        "checkpoint {}: the copies of tensor {} ('{}') slice {} differ (copy {} "
-                       "is not copy 0): every copy applies the same rounds, so one of them is "
-                       "damaged",
-                       found.path, id, a->meta.name, a->slice, j);
+                       "is not the first): every copy applies the same rounds, so one of them "
+                       "is damaged",
+                       found.path, id, a->meta.name, a->slice, b->replica);
         }
       }
       unique.push_back(a);
+      i = j;
     }
     list = std::move(unique);
     const ps::InitMeta& first = list.front()->meta;

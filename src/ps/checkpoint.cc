@@ -1,4 +1,5 @@
 #include "ps/checkpoint.h"
+#include "ps/slicing.h"
 
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
@@ -197,6 +198,7 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
     m.num_servers = j.at("num_servers").get<uint32_t>();
     m.slice_bytes = j.at("slice_bytes").get<uint64_t>();
     m.replicas = j.value("replicas", uint32_t{1});
+    if (j.contains("lost_ranks")) m.lost_ranks = j.at("lost_ranks").get<std::vector<uint32_t>>();
     m.sync = j.at("sync").get<std::string>();
     m.gradients_committed = j.at("gradients_committed").get<uint64_t>();
     m.clock = j.at("clock").get<Clock>();
@@ -219,14 +221,22 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
   } catch (const json::exception&) {  // nlohmann reports a wrong type by throwing
     return bad;
   }
-  if (m.num_servers == 0 || m.files.size() != m.num_servers || m.replicas == 0 ||
-      m.replicas > m.num_servers) {
+  if (m.num_servers == 0 || m.files.size() + m.lost_ranks.size() != m.num_servers ||
+      m.replicas == 0 || m.replicas > m.num_servers) {
     return bad;
   }
-  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
-  for (uint32_t r = 0; r < m.num_servers; ++r) {
-    if (m.files[r].rank != r) return bad;
+  // Every rank once: a file, or lost with its slices' copies in the other files.
+  std::vector<bool> lost(m.num_servers, false), seen(m.num_servers, false);
+  for (uint32_t r : m.lost_ranks) {
+    if (r >= m.num_servers || lost[r]) return bad;
+    lost[r] = seen[r] = true;
   }
+  for (const CheckpointFile& f : m.files) {
+    if (f.rank >= m.num_servers || seen[f.rank]) return bad;
+    seen[f.rank] = true;
+  }
+  if (!m.lost_ranks.empty() && !EverySliceHasACopy(lost, m.replicas)) return bad;
+  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   return m;
 }
 
@@ -431,6 +441,7 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
             {"clock", m.clock},
             {"learning_rate", nullptr},
             {"files", files}};
+  if (!m.lost_ranks.empty()) j["lost_ranks"] = m.lost_ranks;
   if (m.learning_rate) {
     j["learning_rate"] = {{"from_round", m.learning_rate->first}, {"value", m.learning_rate->second}};
   }

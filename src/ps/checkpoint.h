@@ -65,7 +65,10 @@ struct CheckpointManifest {
   // clock): a resumed job's first workers start there. In bsp it is the version.
   Clock clock = 0;
   std::optional<std::pair<Round, float>> learning_rate;  // the newest change, if any
-  std::vector<CheckpointFile> files;                     // one per server rank
+  std::vector<CheckpointFile> files;  // one per server rank, but for the lost ones
+  // Ranks lost before the checkpoint (Config::replicas > 1): they wrote no file; the other
+  // ranks' files hold copies of every slice they held.
+  std::vector<uint32_t> lost_ranks;
 };
 
 // The directory of the checkpoint at `version` under `dir`.

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <filesystem>
 
 namespace dsync::ps {
@@ -51,7 +52,8 @@ bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
   if (!pending_ || version != pending_->manifest.version || rank >= pending_->files.size()) {
     return false;
   }
-  const std::string path = CheckpointPath(dir_, version);
+  const std::vector<uint32_t>& lost = pending_->manifest.lost_ranks;
+  if (std::find(lost.begin(), lost.end(), rank) != lost.end()) return false;
   if (!file.ok()) {
     last_result_ = file.status().WithContext(
         fmt::format("the checkpoint of version {} failed on server rank {}", version, rank));
@@ -60,12 +62,31 @@ bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
     return true;
   }
   pending_->files[rank] = *file;
-  for (const auto& f : pending_->files) {
-    if (!f) return false;
-  }
+  return Settle();
+}
+
+bool CheckpointCoordinator::Lost(uint32_t rank) {
+  if (!pending_ || rank >= pending_->files.size()) return false;
+  std::vector<uint32_t>& lost = pending_->manifest.lost_ranks;
+  if (std::find(lost.begin(), lost.end(), rank) == lost.end()) lost.push_back(rank);
+  pending_->files[rank].reset();
+  return Settle();
+}
+
+bool CheckpointCoordinator::Settle() {
   CheckpointManifest& m = pending_->manifest;
+  const Version version = m.version;
+  const std::string path = CheckpointPath(dir_, version);
+  const auto lost = [&](uint32_t r) {
+    return std::find(m.lost_ranks.begin(), m.lost_ranks.end(), r) != m.lost_ranks.end();
+  };
+  for (uint32_t r = 0; r < pending_->files.size(); ++r) {
+    if (!pending_->files[r] && !lost(r)) return false;
+  }
+  std::sort(m.lost_ranks.begin(), m.lost_ranks.end());
   uint64_t bytes = 0;
   for (const auto& f : pending_->files) {
+    if (!f) continue;
     m.files.push_back(*f);
     bytes += f->bytes;
   }
@@ -77,8 +98,11 @@ bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
   } else {
     const double s = std::chrono::duration<double>(Clock::now() - pending_->began).count();
     spdlog::info("scheduler: checkpoint of version {} complete: {} bytes from {} server(s) in "
-                 "{:.2f} s ({})",
-                 version, bytes, m.files.size(), s, path);
+                 "{:.2f} s ({}){}",
+                 version, bytes, m.files.size(), s, path,
+                 m.lost_ranks.empty()
+                     ? std::string()
+                     : fmt::format("; the lost ranks' slices are in their copies"));
     complete_any_ = true;
     PruneCheckpoints(dir_, kCheckpointsKept);
   }

@@ -26,10 +26,6 @@ class CheckpointCoordinator {
 
   bool enabled() const { return !dir_.empty(); }
   bool in_flight() const { return pending_.has_value(); }
-  // The version of the checkpoint in flight, if any.
-  std::optional<Version> in_flight_version() const {
-    return pending_ ? std::optional<Version>(pending_->manifest.version) : std::nullopt;
-  }
   // Whether a periodic checkpoint at `version` (every round before it decided) is due now.
   bool Due(Version version, Clock::time_point now) const;
   // Whether the job, ending at `version`, still needs its final checkpoint.
@@ -41,6 +37,9 @@ class CheckpointCoordinator {
   // A server's report for the checkpoint in flight (others are ignored). Returns true when
   // it settled the checkpoint: written complete, or failed.
   bool Reported(uint32_t rank, Version version, const Result<CheckpointFile>& file);
+  // The server of `rank` was lost while the checkpoint was in flight: its slices' copies are
+  // in the other files (Config::replicas), so it writes none. Returns true as Reported does.
+  bool Lost(uint32_t rank);
   // How the newest settled checkpoint ended: OK when it is complete.
   const Status& last_result() const { return last_result_; }
   // Whether any checkpoint of this job completed (resuming from this directory would work).
@@ -59,6 +58,7 @@ class CheckpointCoordinator {
     Clock::time_point began;
   };
   std::optional<Pending> pending_;
+  bool Settle();  // writes the manifest once every rank not lost has reported
   Status last_result_;
   bool complete_any_ = false;
 };

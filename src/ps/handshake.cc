@@ -147,6 +147,11 @@ std::string EncodeWelcome(const Welcome& w) {
   if (w.restore) {
     j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
                     {"version", w.restore->version}};
+    if (!w.restore->copies.empty()) {
+      json copies = json::array();
+      for (const auto& c : w.restore->copies) copies.push_back({{"file", c.file}, {"crc32", c.crc32}});
+      j["restore"]["copies"] = copies;
+    }
   }
   return j.dump();
 }
@@ -235,6 +240,17 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     DSYNC_RETURN_IF_ERROR(Field(r, "file", &restore.file));
     DSYNC_RETURN_IF_ERROR(Field(r, "crc32", &restore.crc32));
     DSYNC_RETURN_IF_ERROR(Field(r, "version", &restore.version));
+    if (r.contains("copies")) {
+      json copies;
+      DSYNC_RETURN_IF_ERROR(Field(r, "copies", &copies));
+      if (!copies.is_array()) return Error(StatusCode::kProtocol, "welcome: restore copies is not a list");
+      for (const json& c : copies) {
+        Welcome::Restore::Source src;
+        DSYNC_RETURN_IF_ERROR(Field(c, "file", &src.file));
+        DSYNC_RETURN_IF_ERROR(Field(c, "crc32", &src.crc32));
+        restore.copies.push_back(std::move(src));
+      }
+    }
     w.restore = std::move(restore);
   }
   return w;

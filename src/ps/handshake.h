@@ -69,6 +69,13 @@ struct Welcome {
     std::string file;
     uint32_t crc32 = 0;
     Version version = 0;
+    // A rank lost before the checkpoint has no file (file empty): it takes its slices from
+    // the copies in the other ranks' files.
+    struct Source {
+      std::string file;
+      uint32_t crc32 = 0;
+    };
+    std::vector<Source> copies;
   };
   std::optional<Restore> restore;
   bool checkpoints = false;  // servers: the job writes checkpoints (a stop waits for one)

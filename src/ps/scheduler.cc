@@ -350,10 +350,21 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       w.job_key = job_key_;
       w.checkpoints = checkpoints_.enabled();
       if (resumed_) {
-        const CheckpointFile& f = resumed_->manifest.files[ServerRank(id)];
-        w.restore = Welcome::Restore{
-            (std::filesystem::path(resumed_->path) / f.name).string(), f.crc32,
-            resumed_->manifest.version};
+        const CheckpointManifest& m = resumed_->manifest;
+        const auto path = [&](const CheckpointFile& f) {
+          return (std::filesystem::path(resumed_->path) / f.name).string();
+        };
+        Welcome::Restore r;
+        r.version = m.version;
+        auto own = std::find_if(m.files.begin(), m.files.end(),
+                                [&](const CheckpointFile& f) { return f.rank == ServerRank(id); });
+        if (own != m.files.end()) {
+          r.file = path(*own);
+          r.crc32 = own->crc32;
+        } else {  // a rank lost before the checkpoint: its slices from their copies
+          for (const CheckpointFile& f : m.files) r.copies.push_back({path(f), f.crc32});
+        }
+        w.restore = std::move(r);
       }
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = h.request;
@@ -701,14 +712,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                                             bool (*)(const ServerEntry&)>;
   LiveView LiveServers() const { return LiveView(std::views::all(servers_), &IsLive); }
 
-  // Why a lost server's part of a checkpoint cannot be written.
-  static Status LostServersFile(NodeId id) {
-    return Error(StatusCode::kUnavailable,
-                 "server {} is lost, and a checkpoint needs every server's file (writing a lost "
-                 "server's slices from their other copies is not supported yet)",
-                 id);
-  }
-
   // A server died, was stopped past the heartbeat timeout, or its connection ended. With one
   // copy of each slice (or when every copy of some slice is gone now) the job cannot go on.
   // Otherwise it goes on: every node hears of the loss (kServerGone), workers give up what
@@ -747,9 +750,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     for (const auto& [w, entry] : workers_) (void)SendControl(*transport_, entry.peer, gone);
     for (const auto& [o, peer] : observers_) (void)SendControl(*transport_, peer, gone);
     for (const ServerEntry& live : LiveServers()) (void)SendControl(*transport_, live.peer, gone);
-    if (auto v = checkpoints_.in_flight_version()) {
-      if (checkpoints_.Reported(rank, *v, LostServersFile(id))) StopIfCheckpointSettled();
-    }
+    // A checkpoint in flight goes on without its file: the other servers write copies of
+    // every slice it held (they apply the same rounds).
+    if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
     Progress();
   }
 
@@ -963,8 +966,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);
     h.set_round(version);
     for (const ServerEntry& s : servers_) {
-      Status st = s.lost ? LostServersFile(s.id)
-                         : transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
+      if (s.lost) {
+        (void)checkpoints_.Lost(ServerRank(s.id));  // its slices' copies are in the others
+        continue;
+      }
+      Status st = transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
       if (!st.ok()) (void)checkpoints_.Reported(ServerRank(s.id), version, st);
     }
   }

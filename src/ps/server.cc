@@ -201,14 +201,14 @@ class ServerNode final : public Server, public TransportHandler {
   // scheduler ends the job or goes, bounded.
   void Stop() override {
     std::lock_guard lock(mu_);
-    if (welcomed_ && job_.checkpoints && !stop_ && !shutdown_) {
-      if (!draining_) {
-        draining_ = true;
-        drain_deadline_ = std::chrono::steady_clock::now() +
-                          std::chrono::seconds(kStopCheckpointSeconds + kDrainMarginSeconds);
-        spdlog::warn("server {}: stopping once the scheduler has its checkpoint (at most {} s)",
-                     id_.load(), kStopCheckpointSeconds + kDrainMarginSeconds);
-      }
+    // Asked again while draining (a second Ctrl-C): at once.
+    if (welcomed_ && job_.checkpoints && !stop_ && !shutdown_ && !draining_) {
+      draining_ = true;
+      drain_deadline_ = std::chrono::steady_clock::now() +
+                        std::chrono::seconds(kStopCheckpointSeconds + kDrainMarginSeconds);
+      spdlog::warn("server {}: stopping once the scheduler has its checkpoint (at most {} s; "
+                   "asked again, at once)",
+                   id_.load(), kStopCheckpointSeconds + kDrainMarginSeconds);
       cv_.notify_all();
       return;
     }
@@ -952,52 +952,88 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   // A resumed job: this server's slices as the checkpoint holds them, before any client.
+  // The slices of this server's rank at the checkpoint's version: from its own file, or, for
+  // a rank lost before the checkpoint (it has no file), from the copies the other ranks' files
+  // hold of them (Config::replicas).
   Status RestoreCheckpoint(const Welcome::Restore& from) {
-    DSYNC_ASSIGN_OR_RETURN(ServerCheckpoint c, ReadServerCheckpoint(from.file, from.crc32));
-    if (c.rank != ServerRank(id_) || c.num_servers != job_.num_servers ||
-        c.version != from.version || c.slice_bytes != job_.slice_bytes) {
-      return Error(StatusCode::kDataLoss,
-                   "checkpoint file '{}' holds rank {} of {} at version {} with slices of {} "
-                   "bytes, not rank {} of {} at version {} with slices of {} bytes",
-                   from.file, c.rank, c.num_servers, c.version, c.slice_bytes, ServerRank(id_),
-                   job_.num_servers, from.version, job_.slice_bytes);
+    const uint32_t rank = ServerRank(id_);
+    const bool own = from.copies.empty();
+    std::vector<std::pair<std::string, uint32_t>> sources;
+    if (own) {
+      sources.emplace_back(from.file, from.crc32);
+    } else {
+      for (const Welcome::Restore::Source& src : from.copies) sources.emplace_back(src.file, src.crc32);
     }
+    uint64_t restored = 0;
+    for (const auto& [file, crc] : sources) {
+      DSYNC_ASSIGN_OR_RETURN(ServerCheckpoint c, ReadServerCheckpoint(file, crc));
+      if ((own && c.rank != rank) || c.rank >= job_.num_servers ||
+          c.num_servers != job_.num_servers || c.version != from.version ||
+          c.slice_bytes != job_.slice_bytes) {
+        return Error(StatusCode::kDataLoss,
+                     "checkpoint file '{}' holds rank {} of {} at version {} with slices of {} "
+                     "bytes, not {} of {} at version {} with slices of {} bytes",
+                     file, c.rank, c.num_servers, c.version, c.slice_bytes,
+                     own ? fmt::format("rank {}", rank) : std::string("a rank"), job_.num_servers,
+                     from.version, job_.slice_bytes);
+      }
+      for (CheckpointSlice& cs : c.slices) {
+        if (!own) {
+          // Copy j of a slice on rank r: its primary is r - j, and this rank holds copy
+          // (rank - primary) mod S if that is below the job's copies.
+          const uint32_t n = job_.num_servers;
+          const uint32_t primary = (c.rank + n - cs.replica % n) % n;
+          const uint32_t mine = (rank + n - primary) % n;
+          if (cs.replica >= job_.replicas || mine >= job_.replicas) continue;
+          cs.replica = mine;
+          std::shared_lock lock(slices_mu_);
+          if (slices_.contains(MakeSliceKey(cs.tensor, cs.slice))) continue;  // another copy
+        }
+        DSYNC_RETURN_IF_ERROR(RestoreSlice(file, c.version, cs));
+        ++restored;
+      }
+    }
+    stats_.rounds_applied = from.version;
+    spdlog::info("server {}: restored {} slice(s) at version {} from {}", id_.load(), restored,
+                 from.version,
+                 own ? from.file
+                     : fmt::format("the copies in {} other file(s) (this rank had no file)",
+                                   sources.size()));
+    return Status::Ok();
+  }
+
+  Status RestoreSlice(const std::string& file, Version version, CheckpointSlice& cs) {
     const uint64_t per = SliceElements();
     std::unique_lock lock(slices_mu_);
-    for (CheckpointSlice& cs : c.slices) {
-      const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
-      const uint64_t n = cs.snapshot.params.size();
-      if (cs.meta.tensor_elements == 0 || (cs.meta.tensor_elements - 1) / per >= UINT32_MAX ||
-          cs.meta.slice_offset != uint64_t{cs.slice} * per ||
-          n != std::min(per, cs.meta.tensor_elements - std::min(cs.meta.tensor_elements,
-                                                                cs.meta.slice_offset))) {
-        return Error(StatusCode::kDataLoss, "checkpoint file '{}': tensor '{}' slice {} does not "
-                                            "fit the job's slicing",
-                     from.file, cs.meta.name, cs.slice);
-      }
-      DSYNC_RETURN_IF_ERROR(ledger_.Place(
-          cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice,
-          cs.replica));
-      DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
-                                .WithContext(fmt::format("restoring '{}'", from.file)));
-      auto t = tensors_.try_emplace(cs.tensor,
-                                    TensorMeta{cs.meta.name, cs.meta.tensor_elements,
-                                               cs.meta.optimizer.value_or(job_.optimizer),
-                                               cs.meta.shape});
-      auto s = std::make_unique<SliceState>();
-      s->key = key;
-      s->tensor = cs.tensor;
-      s->index = cs.slice;
-      s->replica = cs.replica;
-      s->elements = n;
-      s->version = c.version;
-      s->optimizer = t.first->second.optimizer;
-      slice_list_.push_back(s.get());
-      slices_.emplace(key, std::move(s));
+    const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
+    const uint64_t n = cs.snapshot.params.size();
+    if (cs.meta.tensor_elements == 0 || (cs.meta.tensor_elements - 1) / per >= UINT32_MAX ||
+        cs.meta.slice_offset != uint64_t{cs.slice} * per ||
+        n != std::min(per, cs.meta.tensor_elements - std::min(cs.meta.tensor_elements,
+                                                              cs.meta.slice_offset))) {
+      return Error(StatusCode::kDataLoss, "checkpoint file '{}': tensor '{}' slice {} does not "
+                                          "fit the job's slicing",
+                   file, cs.meta.name, cs.slice);
     }
-    stats_.rounds_applied = c.version;
-    spdlog::info("server {}: restored {} slice(s) at version {} from {}", id_.load(),
-                 c.slices.size(), c.version, from.file);
+    DSYNC_RETURN_IF_ERROR(ledger_.Place(
+        cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice,
+        cs.replica));
+    DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
+                              .WithContext(fmt::format("restoring '{}'", file)));
+    auto t = tensors_.try_emplace(cs.tensor,
+                                  TensorMeta{cs.meta.name, cs.meta.tensor_elements,
+                                             cs.meta.optimizer.value_or(job_.optimizer),
+                                             cs.meta.shape});
+    auto s = std::make_unique<SliceState>();
+    s->key = key;
+    s->tensor = cs.tensor;
+    s->index = cs.slice;
+    s->replica = cs.replica;
+    s->elements = n;
+    s->version = version;
+    s->optimizer = t.first->second.optimizer;
+    slice_list_.push_back(s.get());
+    slices_.emplace(key, std::move(s));
     return Status::Ok();
   }
 
