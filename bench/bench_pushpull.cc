@@ -5,7 +5,8 @@
 // the next clock (PushPull, or Push/Wait then Pull/Wait with --ops split) and wait. The
 // figure per worker is 2 * tensor bytes / median iteration time (push + pull), in GB/s.
 //
-//   bench_pushpull [--sizes 4,64] [--workers 1,2] [--servers 1] [--iters N] [--warmup 3]
+//   bench_pushpull [--sizes 4,64] [--workers 1,2] [--servers 1] [--replicas 1] [--iters N]
+//                  [--warmup 3]
 //                  [--ops pushpull,split] [--slice-mib 4] [--optimizer sgd]
 //                  [--loopback-chunks-mib 64,4] [--loopback-total-mib 256] [--loopback-reps 3]
 //   bench_pushpull --join --sizes 64 [--iters N]   one worker of a job started elsewhere
@@ -28,6 +29,7 @@ struct Options {
   std::vector<uint64_t> sizes_mib{4, 64};
   std::vector<uint32_t> workers{1, 2};
   std::vector<uint32_t> servers{1};
+  std::vector<uint32_t> replicas{1};  // copies of each slice; rows of one setting interleave
   std::vector<std::string> ops{"pushpull"};
   int iters = 0;  // 0: by size
   int warmup = 3;
@@ -49,6 +51,7 @@ struct WorkerResult {
 
 struct Row {
   uint32_t servers = 0;
+  uint32_t replicas = 1;
   uint32_t workers = 0;
   uint64_t tensor_bytes = 0;
   std::string op;
@@ -145,16 +148,18 @@ WorkerResult RunWorker(const Config& wcfg, const Options& o, uint64_t bytes, con
   return res;
 }
 
-Row RunConfig(const Options& o, uint32_t servers, uint32_t workers, uint64_t bytes,
-              const std::string& op) {
+Row RunConfig(const Options& o, uint32_t servers, uint32_t replicas, uint32_t workers,
+              uint64_t bytes, const std::string& op) {
   Row row;
   row.servers = servers;
+  row.replicas = replicas;
   row.workers = workers;
   row.tensor_bytes = bytes;
   row.op = op;
   row.iters = ItersFor(o, bytes);
 
   Config cfg = BenchConfig(servers, workers);
+  cfg.replicas = replicas;
   cfg.slice_bytes = o.slice_mib * kMiB;
   cfg.optimizer.kind = ParseOptimizer(o.optimizer).value();
   cfg.optimizer.lr = 1e-3f;
@@ -247,6 +252,8 @@ int Main(int argc, char** argv) {
   app.add_option("--sizes", o.sizes_mib, "tensor sizes in MiB")->delimiter(',');
   app.add_option("--workers", o.workers, "worker counts (one thread each)")->delimiter(',');
   app.add_option("--servers", o.servers, "server counts")->delimiter(',');
+  app.add_option("--replicas", o.replicas, "copies of each slice (each at most the servers)")
+      ->delimiter(',');
   app.add_option("--ops", o.ops, "pushpull (PushPull + Wait) and/or split (Push, Wait, Pull, Wait)")
       ->delimiter(',');
   app.add_option("--iters", o.iters, "timed iterations per configuration (0: by size)");
@@ -327,8 +334,8 @@ int Main(int argc, char** argv) {
     lo_heads += fmt::format(" {:>6}", fmt::format("lo{}", b.chunk_mib));
     ratio_heads += fmt::format(" {:>7}", fmt::format("x lo{}", b.chunk_mib));
   }
-  fmt::print("{:>3} {:>3} {:>8} {:>8} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9}{}{} {:>11}\n",
-             "srv", "wrk", "tensor", "op", "iters", "iter ms", "min ms", "max ms", "push ms",
+  fmt::print("{:>3} {:>2} {:>3} {:>8} {:>8} {:>5} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9}{}{} {:>11}\n",
+             "srv", "cp", "wrk", "tensor", "op", "iters", "iter ms", "min ms", "max ms", "push ms",
              "pull ms", "GB/s/wkr", "GB/s tot", lo_heads, ratio_heads, "staging");
 
   nlohmann::json rows = nlohmann::json::array();
@@ -336,49 +343,53 @@ int Main(int argc, char** argv) {
     for (uint64_t size : o.sizes_mib) {
       for (uint32_t wk : o.workers) {
         for (const std::string& op : o.ops) {
-          const std::vector<double> lo = measure_loopback();
-          Row r = RunConfig(o, s, wk, size * kMiB, op);
-          const bool split = op == "split";
-          std::string lo_cols, ratios;
-          nlohmann::json lo_json = nlohmann::json::object(), ratio_json = nlohmann::json::object();
-          for (size_t k = 0; k < baselines.size(); ++k) {
-            const double x = lo[k] > 0 ? r.gbps_worker / lo[k] : 0.0;
-            lo_cols += fmt::format(" {:>6.2f}", lo[k]);
-            ratios += fmt::format(" {:>7.2f}", x);
-            lo_json[fmt::format("{}mib", baselines[k].chunk_mib)] = lo[k];
-            ratio_json[fmt::format("{}mib", baselines[k].chunk_mib)] = x;
+          for (uint32_t cp : o.replicas) {
+            if (cp > s) continue;
+            const std::vector<double> lo = measure_loopback();
+            Row r = RunConfig(o, s, cp, wk, size * kMiB, op);
+            const bool split = op == "split";
+            std::string lo_cols, ratios;
+            nlohmann::json lo_json = nlohmann::json::object(), ratio_json = nlohmann::json::object();
+            for (size_t k = 0; k < baselines.size(); ++k) {
+              const double x = lo[k] > 0 ? r.gbps_worker / lo[k] : 0.0;
+              lo_cols += fmt::format(" {:>6.2f}", lo[k]);
+              ratios += fmt::format(" {:>7.2f}", x);
+              lo_json[fmt::format("{}mib", baselines[k].chunk_mib)] = lo[k];
+              ratio_json[fmt::format("{}mib", baselines[k].chunk_mib)] = x;
+            }
+            const double ratio = lo[0] > 0 ? r.gbps_worker / lo[0] : 0.0;
+            fmt::print("{:>3} {:>2} {:>3} {:>5} MiB {:>8} {:>5} {:>9.2f} {:>9.2f} {:>9.2f} {:>8} {:>8} "
+                       "{:>9.3f} {:>9.3f}{}{} {:>5} -> {:<3}{}\n",
+                       s, cp, wk, size, op, r.iters, r.iter_ms, r.iter_min_ms, r.iter_max_ms,
+                       split ? fmt::format("{:.2f}", r.push_ms) : "-",
+                       split ? fmt::format("{:.2f}", r.pull_ms) : "-", r.gbps_worker,
+                       r.gbps_total, lo_cols, ratios, r.staging_before, r.staging_after,
+                       r.error.empty() ? "" : "  ERROR: " + r.error);
+            std::fflush(stdout);
+            nlohmann::json j = {{"servers", s},
+                                {"replicas", cp},
+                                {"workers", wk},
+                                {"tensor_mib", size},
+                                {"op", op},
+                                {"iters", r.iters},
+                                {"iter_ms_median", r.iter_ms},
+                                {"iter_ms_min", r.iter_min_ms},
+                                {"iter_ms_max", r.iter_max_ms},
+                                {"gbps_per_worker", r.gbps_worker},
+                                {"gbps_total", r.gbps_total},
+                                {"loopback_gbps", lo[0]},
+                                {"ratio_to_loopback", ratio},
+                                {"loopback_gbps_by_chunk", lo_json},
+                                {"ratio_to_loopback_by_chunk", ratio_json},
+                                {"staging_before", r.staging_before},
+                                {"staging_after", r.staging_after}};
+            if (split) {
+              j["push_ms_median"] = r.push_ms;
+              j["pull_ms_median"] = r.pull_ms;
+            }
+            if (!r.error.empty()) j["error"] = r.error;
+            rows.push_back(std::move(j));
           }
-          const double ratio = lo[0] > 0 ? r.gbps_worker / lo[0] : 0.0;
-          fmt::print("{:>3} {:>3} {:>5} MiB {:>8} {:>5} {:>9.2f} {:>9.2f} {:>9.2f} {:>8} {:>8} "
-                     "{:>9.3f} {:>9.3f}{}{} {:>5} -> {:<3}{}\n",
-                     s, wk, size, op, r.iters, r.iter_ms, r.iter_min_ms, r.iter_max_ms,
-                     split ? fmt::format("{:.2f}", r.push_ms) : "-",
-                     split ? fmt::format("{:.2f}", r.pull_ms) : "-", r.gbps_worker,
-                     r.gbps_total, lo_cols, ratios, r.staging_before, r.staging_after,
-                     r.error.empty() ? "" : "  ERROR: " + r.error);
-          std::fflush(stdout);
-          nlohmann::json j = {{"servers", s},
-                              {"workers", wk},
-                              {"tensor_mib", size},
-                              {"op", op},
-                              {"iters", r.iters},
-                              {"iter_ms_median", r.iter_ms},
-                              {"iter_ms_min", r.iter_min_ms},
-                              {"iter_ms_max", r.iter_max_ms},
-                              {"gbps_per_worker", r.gbps_worker},
-                              {"gbps_total", r.gbps_total},
-                              {"loopback_gbps", lo[0]},
-                              {"ratio_to_loopback", ratio},
-                              {"loopback_gbps_by_chunk", lo_json},
-                              {"ratio_to_loopback_by_chunk", ratio_json},
-                              {"staging_before", r.staging_before},
-                              {"staging_after", r.staging_after}};
-          if (split) {
-            j["push_ms_median"] = r.push_ms;
-            j["pull_ms_median"] = r.pull_ms;
-          }
-          if (!r.error.empty()) j["error"] = r.error;
-          rows.push_back(std::move(j));
         }
       }
     }

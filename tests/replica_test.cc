@@ -318,5 +318,35 @@ TEST(Replicas, ACheckpointAfterALossResumesTheLostRankFromItsCopies) {
   fs::remove_all(dump);
 }
 
+// Workers may register a tensor with different initial values (no shared seed): the first
+// registration sets the primary's, and every other copy is created from the primary, so the
+// copies agree and every worker reads the same model.
+TEST(Replicas, CopiesStartFromThePrimaryWhateverEachWorkerRegistered) {
+  const fs::path dump = FreshDir("init");
+  LocalCluster cluster(ReplicaJobConfig(3, 3, dump));
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), kWorkers);
+  std::vector<std::vector<float>> pulled(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    threads.emplace_back([&, rank] {
+      std::vector<float> params(kDim);
+      for (size_t j = 0; j < kDim; ++j) params[j] = static_cast<float>(rank * 1000 + j);
+      auto id = workers[rank]->Register("w", params);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      std::vector<float> out(kDim);
+      ASSERT_TRUE(workers[rank]->Wait(workers[rank]->Pull(*id, out.data())).ok());
+      pulled[rank] = out;
+      ASSERT_TRUE(workers[rank]->Leave().ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(cluster.WaitFinished().ok());
+  EXPECT_EQ(pulled[0], pulled[1]);
+  ExpectCopiesEqual(dump, 3);
+  fs::remove_all(dump);
+}
+
 }  // namespace
 }  // namespace dsync

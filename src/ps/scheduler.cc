@@ -738,17 +738,25 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     servers_lost_.push_back(id);
     left_out_.push_back(std::move(lost));
     peers_.erase(s.peer);
-    transport_->Close(s.peer);
+    doomed_.insert(s.peer);  // what it sent before is ignored
+    FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
+    gone.set_gone_server(id);
+    gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
+    // Told too (a stopped process reads it when it runs again, and stops without an error),
+    // then dropped once the frame has left.
+    const PeerId peer = s.peer;
+    if (!transport_->Send(peer, gone, {}, nullptr, 0,
+                          [this, peer](const Status&) { transport_->Close(peer); })
+             .ok()) {
+      transport_->Close(peer);
+    }
     ++counters_.servers_lost;
     audit_.Member("lost", "server", id, fmt::format("{}:{}", s.host, s.port), what);
     spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
                  "on with {} of {} server(s)",
                  id, what, servers_.size() - servers_lost_.size(), servers_.size());
-    FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
-    gone.set_gone_server(id);
-    gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
     for (const auto& [w, entry] : workers_) (void)SendControl(*transport_, entry.peer, gone);
-    for (const auto& [o, peer] : observers_) (void)SendControl(*transport_, peer, gone);
+    for (const auto& [o, client] : observers_) (void)SendControl(*transport_, client, gone);
     for (const ServerEntry& live : LiveServers()) (void)SendControl(*transport_, live.peer, gone);
     // A checkpoint in flight goes on without its file: the other servers write copies of
     // every slice it held (they apply the same rounds).

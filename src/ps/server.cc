@@ -192,7 +192,8 @@ class ServerNode final : public Server, public TransportHandler {
     if (apply_thread_.joinable()) apply_thread_.join();
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
     spdlog::info("server {} stopped after {} round(s)", id_.load(), stats_.rounds_applied.load());
-    if (result.ok() && !cfg_.dump_model.empty()) result = DumpModel();
+    // An evicted server's copies are stale: its summary would not be the job's model.
+    if (result.ok() && !evicted_ && !cfg_.dump_model.empty()) result = DumpModel();
     return result;
   }
 
@@ -245,7 +246,7 @@ class ServerNode final : public Server, public TransportHandler {
       std::lock_guard lock(mu_);
       if (draining_) {
         stop_ = true;  // stopping anyway: the scheduler stopped first
-      } else if (!shutdown_ && !stop_ && result_.ok()) {
+      } else if (!shutdown_ && !stop_ && !evicted_ && result_.ok()) {
         result_ = Error(StatusCode::kUnavailable, "lost the scheduler: {}", why.message());
         spdlog::error("server {}: {}", id_.load(), result_.message());
       }
@@ -698,12 +699,26 @@ class ServerNode final : public Server, public TransportHandler {
       case MsgType::kWorkerGone:
         DiscardUncommitted(h.gone_worker(), h.next_clock());
         return;
-      case MsgType::kServerGone:
+      case MsgType::kServerGone: {
+        std::lock_guard lock(mu_);
+        if (h.gone_server() == id_) {
+          // Declared lost (it stopped answering for the heartbeat timeout): the job goes on
+          // without this server, and its copies are stale from now on. It stops, and not as
+          // a failure: nothing it held is missed.
+          spdlog::warn("server {}: the scheduler declared this server lost and goes on without "
+                       "it (its slices have other copies); stopping",
+                       id_.load());
+          evicted_ = true;
+          stop_ = true;
+          cv_.notify_all();
+          return;
+        }
         // Its slices' other copies (some here) carry on; nothing changes on this server: it
         // applies the same rounds to what it holds, and workers pull from the next copy.
         spdlog::warn("server {}: the scheduler lost server {} ({} server(s) lost so far)",
                      id_.load(), h.gone_server(), h.losses());
         return;
+      }
       case MsgType::kCheckpoint: {
         // Queued behind the rounds before it: the apply thread writes it in order.
         std::lock_guard lock(mu_);
@@ -984,7 +999,14 @@ class ServerNode final : public Server, public TransportHandler {
           const uint32_t n = job_.num_servers;
           const uint32_t primary = (c.rank + n - cs.replica % n) % n;
           const uint32_t mine = (rank + n - primary) % n;
-          if (cs.replica >= job_.replicas || mine >= job_.replicas) continue;
+          if (cs.replica >= job_.replicas) {
+            return Error(StatusCode::kDataLoss,
+                         "checkpoint file '{}': tensor '{}' slice {} is copy {}, but the job "
+                         "keeps {} cop{}",
+                         file, cs.meta.name, cs.slice, cs.replica, job_.replicas,
+                         job_.replicas == 1 ? "y" : "ies");
+          }
+          if (mine >= job_.replicas) continue;  // not a slice this rank holds
           cs.replica = mine;
           std::shared_lock lock(slices_mu_);
           if (slices_.contains(MakeSliceKey(cs.tensor, cs.slice))) continue;  // another copy
@@ -1107,6 +1129,7 @@ class ServerNode final : public Server, public TransportHandler {
   bool shutdown_ = false;
   bool stop_ = false;
   bool draining_ = false;  // asked to stop; the scheduler may still want a checkpoint
+  bool evicted_ = false;   // the scheduler declared this server lost: the job goes on without it
   std::chrono::steady_clock::time_point drain_deadline_;
   // Beyond the scheduler's wait: its shutdown frame has time to arrive.
   static constexpr uint32_t kDrainMarginSeconds = 5;

@@ -32,6 +32,8 @@ namespace {
 constexpr uint32_t kNoOp = std::numeric_limits<uint32_t>::max();
 constexpr Clock kNever = std::numeric_limits<Clock>::max();
 constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
+// Op::asked: the reply's payload is being written into the caller's tensor.
+constexpr uint32_t kIncoming = 1u << 31;
 using SteadyClock = std::chrono::steady_clock;
 
 class WorkerNode final : public Worker, public TransportHandler {
@@ -83,6 +85,13 @@ class WorkerNode final : public Worker, public TransportHandler {
       server_cut_.assign(job_.num_servers, std::nullopt);
       for (NodeId lost : w.servers_lost) server_lost_[ServerRank(lost)] = true;
       losses_ = static_cast<uint32_t>(w.servers_lost.size());
+      // Losses announced after the welcome, before it was read here.
+      for (const auto& [server, losses] : std::exchange(early_losses_, {})) {
+        if (ServerRank(server) < server_lost_.size() && losses > losses_) {
+          server_lost_[ServerRank(server)] = true;
+          losses_ = losses;
+        }
+      }
       clock_ = w.start_clock;
       gate_clock_ = w.start_clock;
       gate_ = w.gate;
@@ -152,6 +161,45 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   const JobInfo& job() const override { return job_; }
 
+  // Sends tensor `id`'s init to the primary (the first live copy) of each slice, or to every
+  // other live copy, and waits for their answers.
+  Status InitCopies(std::unique_lock<std::mutex>& lock, TensorId id, std::span<const float> values,
+                    const TensorOptions& options, bool primaries) {
+    const Tensor& tensor = tensors_[id];
+    const uint32_t op = NewOp(OpKind::kInit, id);
+    ops_[op].version = std::numeric_limits<Version>::max();
+    ops_[op].at_server.assign(job_.num_servers, 0);
+    std::vector<std::byte> meta;
+    for (const SliceRef& s : tensor.layout.slices) {
+      EncodeInit({tensor.name, values.size(), s.offset, options.optimizer, options.shape}, meta);
+      bool first = true;
+      for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy, on its own server
+        const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
+        if (server_lost_[rank]) continue;
+        const bool primary = std::exchange(first, false);
+        if (primary != primaries) continue;
+        FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
+        h.set_replica(j);
+        ++ops_[op].outstanding;
+        ++ops_[op].at_server[rank];
+        Status st = SendPayload(servers_[rank], h, meta, values.data() + s.offset,
+                                s.elements * sizeof(float));
+        if (!st.ok() && !ToleratedSendFailure(rank, st)) {
+          FinishOp(op, st);
+          break;
+        }
+      }
+      if (ops_[op].done) break;
+      if (first && primaries) {
+        FinishOp(op, Error(StatusCode::kUnavailable, "every copy of tensor '{}' slice {} is lost",
+                           tensor.name, s.index));
+        break;
+      }
+    }
+    if (ops_[op].outstanding == 0 && !ops_[op].done) FinishOp(op, Status::Ok());
+    return WaitLocked(lock, op, nullptr);
+  }
+
   using Worker::Register;
   Result<TensorId> Register(std::string_view name, std::span<const float> init,
                             const TensorOptions& options) override {
@@ -201,34 +249,23 @@ class WorkerNode final : public Worker, public TransportHandler {
     t.layout = std::move(layout);
     t.slice_version.assign(t.layout.slices.size(), 0);
     tensors_.push_back(std::move(t));
-    const Tensor& tensor = tensors_.back();
-
-    const uint32_t op = NewOp(OpKind::kInit, id);
-    ops_[op].version = std::numeric_limits<Version>::max();
-    ops_[op].at_server.assign(job_.num_servers, 0);
-    std::vector<std::byte> meta;
-    for (const SliceRef& s : tensor.layout.slices) {
-      EncodeInit({tensor.name, init.size(), s.offset, options.optimizer, options.shape}, meta);
-      for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy, on its own server
-        const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
-        if (server_lost_[rank]) continue;
-        FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
-        h.set_replica(j);
-        ++ops_[op].outstanding;
-        ++ops_[op].at_server[rank];
-        Status st = SendPayload(servers_[rank], h, meta, init.data() + s.offset,
-                                s.elements * sizeof(float));
-        if (!st.ok() && !ToleratedSendFailure(rank, st)) {
-          FinishOp(op, st);
-          break;
-        }
-      }
-      if (ops_[op].done) break;
+    // The primaries first: the first registration of a slice sets its values there. With
+    // copies, the others are then created from what the primary holds (read back), not from
+    // this worker's values: workers may register different initial values, and the copies of
+    // a slice must be identical.
+    Status st = InitCopies(lock, id, init, options, /*primaries=*/true);
+    if (st.ok() && replicas_ > 1) {
+      std::vector<float> model(init.size());
+      const uint32_t pull = NewOp(OpKind::kPull, id);
+      ops_[pull].clock = kNever;  // no clock's pull: it tells the scheduler nothing
+      ops_[pull].out = model.data();
+      ops_[pull].version = std::numeric_limits<Version>::max();
+      ops_[pull].outstanding = static_cast<uint32_t>(tensors_[id].layout.slices.size());
+      ops_[pull].holds_payload = true;
+      SendPulls(pull);
+      st = WaitLocked(lock, pull, nullptr);
+      if (st.ok()) st = InitCopies(lock, id, model, options, /*primaries=*/false);
     }
-    if (ops_[op].outstanding == 0 && !ops_[op].done) {
-      FinishOp(op, Error(StatusCode::kUnavailable, "every copy of tensor '{}' is lost", name));
-    }
-    Status st = WaitLocked(lock, op, nullptr);
     registering_ = false;
     if (!st.ok()) {
       planner_->Unplan(tensors_.back().layout);
@@ -407,27 +444,44 @@ class WorkerNode final : public Worker, public TransportHandler {
         h.payload_len != slices[h.slice()].elements * sizeof(float)) {
       return nullptr;
     }
-    // Only the copy this slice was asked of writes into the caller's tensor: a lost server's
-    // late answer (the pull went to another copy meanwhile) is dropped.
+    // Only the copy this slice was asked of writes into the caller's tensor, once: a lost
+    // server's late answer (the pull went to another copy meanwhile) is dropped. While its
+    // payload is being written the slice is not asked again elsewhere (OnServerLost).
     if (h.slice() >= ops_[op].asked.size() || ops_[op].asked[h.slice()] != RankOf(peer)) {
       return nullptr;
     }
+    ops_[op].asked[h.slice()] |= kIncoming;
     ++ops_[op].receiving;  // Wait() must not return while the transport writes here
     return ops_[op].out + slices[h.slice()].offset;  // straight into the caller's tensor
   }
 
-  void OnPayloadLost(PeerId, const FrameHeader& h, void*) override {
+  void OnPayloadLost(PeerId peer, const FrameHeader& h, void*) override {
     std::lock_guard lock(mu_);
     const uint32_t op = OpOf(h.request);
     if (op != kNoOp && ops_[op].receiving > 0) --ops_[op].receiving;
+    if (op != kNoOp && ops_[op].kind == OpKind::kPull && h.slice() < ops_[op].asked.size() &&
+        (ops_[op].asked[h.slice()] & kIncoming)) {
+      // Cut off mid-payload: asked again of the next copy once the server is known lost (now,
+      // if it is already; else OnServerLost does it).
+      ops_[op].asked[h.slice()] &= ~kIncoming;
+      const uint32_t rank = RankOf(peer);
+      if (rank != kNoRank && server_lost_[rank] && !ops_[op].done && broken_.ok()) {
+        (void)SendPull(op, tensors_[ops_[op].tensor].layout.slices[h.slice()]);
+      }
+    }
     cv_.notify_all();
   }
 
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void* payload) override {
     std::lock_guard lock(mu_);
-    // Frames a lost server sent before its loss was heard of here.
-    if (losses_ > 0 && peer != scheduler_ && IsLost(peer)) return;
+    // Frames a lost server sent before its loss was heard of here are dropped, but for a pull
+    // reply whose payload was already being written (it is whole, and of a version the job
+    // applied: it is taken).
+    if (losses_ > 0 && peer != scheduler_ && IsLost(peer) &&
+        !(h.msg_type() == MsgType::kPullReply && payload != nullptr)) {
+      return;
+    }
     switch (h.msg_type()) {
       case MsgType::kHelloAck:
         handshake_reply_ = std::string(AsText(meta));
@@ -798,7 +852,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     FrameHeader h = SliceHeader(MsgType::kPull, op, o.tensor, s);
     // The server answers once the slice has at least this version: the gate, and never older
     // than what this worker read of it already (another copy may trail the one read before).
-    h.set_min_version(std::max(gate_, tensors_[o.tensor].slice_version[s.index]));
+    h.set_min_version(std::max(o.min_version, tensors_[o.tensor].slice_version[s.index]));
     Status st = SendControl(*transport_, servers_[*rank], h);
     if (!st.ok() && !ToleratedSendFailure(*rank, st)) {
       Break(st.WithContext(fmt::format("pull tensor {}", o.tensor)));
@@ -836,6 +890,10 @@ class WorkerNode final : public Worker, public TransportHandler {
   // The scheduler lost a server: what it owed is given up, its share of every commit's
   // receipts taken out, and pulls it was asked go to the next copy of each slice.
   void OnServerLost(NodeId server, uint32_t losses) {
+    if (server_lost_.empty()) {  // before Init took the welcome: applied then
+      early_losses_.emplace_back(server, losses);
+      return;
+    }
     const uint32_t rank = ServerRank(server);
     if (rank >= server_lost_.size() || server_lost_[rank] || losses <= losses_) return;
     server_lost_[rank] = true;
@@ -1127,6 +1185,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   // was lost (a server that dies is lost for the scheduler too; this bounds the wait).
   std::vector<std::optional<SteadyClock::time_point>> server_cut_;
   uint32_t losses_ = 0;                       // servers lost so far, as the scheduler counts
+  std::vector<std::pair<NodeId, uint32_t>> early_losses_;  // announced before the welcome
   bool leaving_ = false;
   bool left_ = false;
   // SetLearningRate: the request waiting for the scheduler's answer, and the answer.
