@@ -5,7 +5,8 @@
 // servers. Only the public API is used, so the same file measures other releases too
 // (bench/proof_cost.sh builds it against the release before proved commits).
 //
-//   bench_rounds [--workers 4,16] [--servers 1] [--rounds 300] [--elems 16] [--reps 3]
+//   bench_rounds [--workers 4,16] [--servers 1] [--replicas 1] [--rounds 300] [--elems 16]
+//                [--reps 3]
 #include <barrier>
 #include <cstdio>
 
@@ -20,6 +21,7 @@ namespace {
 struct Options {
   std::vector<uint32_t> workers{4, 16};
   uint32_t servers = 1;
+  std::vector<uint32_t> replicas{1};  // copies of each slice; a job of each per repetition
   int rounds = 300;
   uint32_t elems = 16;
   int reps = 3;
@@ -27,8 +29,15 @@ struct Options {
 
 // Rounds per second of one job, timed from the first worker's first PushPull to the last
 // worker's last completion.
-Result<double> RoundsPerSecond(const Options& o, uint32_t workers) {
+// Releases before replicated slices have no Config::replicas (and keep one copy).
+template <typename C>
+void SetReplicas(C& c, uint32_t replicas) {
+  if constexpr (requires { c.replicas; }) c.replicas = replicas;
+}
+
+Result<double> RoundsPerSecond(const Options& o, uint32_t workers, uint32_t replicas) {
   Config cfg = BenchConfig(o.servers, workers);
+  SetReplicas(cfg, replicas);
   cfg.optimizer.kind = OptimizerKind::kSum;
   DSYNC_ASSIGN_OR_RETURN(auto cluster, InProcessCluster::Start(cfg));
   std::vector<std::future<Result<std::unique_ptr<Worker>>>> starting;
@@ -82,28 +91,35 @@ int Main(int argc, char** argv) {
   CLI::App app{"rounds per second with tiny gradients (bsp, in-process cluster over TCP)"};
   app.add_option("--workers", o.workers, "worker counts")->delimiter(',');
   app.add_option("--servers", o.servers, "servers");
+  app.add_option("--replicas", o.replicas, "copies of each slice (jobs alternate)")->delimiter(',');
   app.add_option("--rounds", o.rounds, "rounds per job");
   app.add_option("--elems", o.elems, "floats in the one tensor");
   app.add_option("--reps", o.reps, "jobs per worker count (the median is reported)");
   CLI11_PARSE(app, argc, argv);
   QuietLogs();
   nlohmann::json rows = nlohmann::json::array();
-  std::printf("%8s %8s %12s %12s %14s\n", "workers", "rounds", "rounds/s", "min..max", "gradients/s");
+  std::printf("%8s %6s %8s %12s %12s %14s\n", "workers", "copies", "rounds", "rounds/s",
+              "min..max", "gradients/s");
   for (uint32_t w : o.workers) {
-    std::vector<double> rates;
+    std::vector<std::vector<double>> rates(o.replicas.size());
     for (int rep = 0; rep < o.reps; ++rep) {
-      auto r = RoundsPerSecond(o, w);
-      if (!r.ok()) {
-        std::fprintf(stderr, "bench_rounds: %u workers: %s\n", w, r.status().ToString().c_str());
-        return 1;
+      for (size_t k = 0; k < o.replicas.size(); ++k) {  // interleaved: drift hits all alike
+        auto r = RoundsPerSecond(o, w, o.replicas[k]);
+        if (!r.ok()) {
+          std::fprintf(stderr, "bench_rounds: %u workers: %s\n", w, r.status().ToString().c_str());
+          return 1;
+        }
+        rates[k].push_back(*r);
       }
-      rates.push_back(*r);
     }
-    const double median = Median(rates);
-    std::printf("%8u %8d %12.0f %5.0f..%-6.0f %14.0f\n", w, o.rounds, median, Min(rates),
-                Max(rates), median * w);
-    rows.push_back({{"workers", w}, {"rounds", o.rounds}, {"rounds_per_s", median},
-                    {"min", Min(rates)}, {"max", Max(rates)}, {"gradients_per_s", median * w}});
+    for (size_t k = 0; k < o.replicas.size(); ++k) {
+      const double median = Median(rates[k]);
+      std::printf("%8u %6u %8d %12.0f %5.0f..%-6.0f %14.0f\n", w, o.replicas[k], o.rounds, median,
+                  Min(rates[k]), Max(rates[k]), median * w);
+      rows.push_back({{"workers", w}, {"replicas", o.replicas[k]}, {"rounds", o.rounds},
+                      {"rounds_per_s", median}, {"min", Min(rates[k])}, {"max", Max(rates[k])},
+                      {"gradients_per_s", median * w}});
+    }
   }
   std::printf("RESULT %s\n", nlohmann::json{{"bench", "rounds"}, {"rows", rows}}.dump().c_str());
   return 0;

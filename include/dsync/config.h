@@ -131,6 +131,13 @@ uint16_t SlurmSchedulerPort(uint64_t job_id, uint64_t step_id);
 // KillWait (30 s).
 inline constexpr uint32_t kStopCheckpointSeconds = 20;
 
+// With copies of each slice (Config::replicas > 1), workers pull from primaries only, so
+// nothing a worker waits for keeps a backup from falling behind. The scheduler closes no
+// round while a live server trails the rounds it announced by this many or more; servers
+// then let each worker stage twice its delay bound's window plus this many clocks (a backup
+// may still hold those of the rounds it trails).
+inline constexpr uint32_t kReplicaLagRounds = 4;
+
 struct Config {
   Role role = Role::kWorker;
 

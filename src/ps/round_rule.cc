@@ -14,6 +14,12 @@ uint32_t StagingWindow(const SyncMode& mode) {
   return 2;
 }
 
+uint32_t StagingWindow(const SyncMode& mode, uint32_t replicas) {
+  const uint64_t w = StagingWindow(mode);
+  if (replicas <= 1) return static_cast<uint32_t>(w);
+  return static_cast<uint32_t>(std::min<uint64_t>(2 * w + kReplicaLagRounds, UINT32_MAX));
+}
+
 RoundRule::RoundRule(SyncMode mode) : mode_(mode) {
   if (mode_.kind == SyncKind::kRound && mode_.bound == 0) mode_.quorum = SyncMode::kAll;
 }

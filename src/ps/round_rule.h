@@ -43,6 +43,8 @@ namespace dsync::ps {
 // the gate holds a pull back once the servers trail the worker's commits by
 // kAspBacklog rounds. Servers refuse pushes beyond it.
 uint32_t StagingWindow(const SyncMode& mode);
+// The same on a server of a job with `replicas` copies of each slice (kReplicaLagRounds).
+uint32_t StagingWindow(const SyncMode& mode, uint32_t replicas);
 constexpr uint32_t kAspBacklog = 6;
 
 struct Admission {

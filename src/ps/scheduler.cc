@@ -670,7 +670,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         for (ServerEntry& s : servers_) {
           if (s.id == id) s.applied = std::max<Round>(s.applied, h.round() + 1);
         }
-        CheckFinished();
+        if (cfg_.replicas > 1) {
+          Progress();  // rounds held back for a trailing copy may close now
+        } else {
+          CheckFinished();
+        }
         return;
       case MsgType::kCheckpointDone: {
         Result<CheckpointFile> file = Error(StatusCode::kInternal, "not decoded");
@@ -842,8 +846,19 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
   // Broadcasts every round that may close now and every ssp gate that opened.
+  // With copies, whether a live server trails the rounds announced by kReplicaLagRounds or
+  // more: no round closes until it catches up (it bounds what a backup holds staged).
+  bool ReplicaLagging() const {
+    if (cfg_.replicas <= 1) return false;
+    for (const ServerEntry& s : LiveServers()) {
+      if (s.ready && s.applied + kReplicaLagRounds <= rounds_announced_) return true;
+    }
+    return false;
+  }
+
   void Progress() {
-    for (RoundRecord& rec : rule_.CloseReady()) {
+    for (RoundRecord& rec :
+         ReplicaLagging() ? std::vector<RoundRecord>{} : rule_.CloseReady()) {
       round_entries_.clear();
       for (const RoundMember& m : rec.members) round_entries_.push_back({m, TakeTensors(m)});
       EncodeRound(round_entries_, meta_buf_);

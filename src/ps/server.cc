@@ -647,8 +647,8 @@ class ServerNode final : public Server, public TransportHandler {
           // A change of the learning rate made before this server joined.
           if (job_.learning_rate) lr_schedule_[job_.learning_rate->first] = job_.learning_rate->second;
           clients_.Configure(*job_.job_key, job_.id);
-          ledger_.Configure(*job_.job_key, job_.id, job_.num_servers, StagingWindow(job_.sync),
-                            job_.replicas);
+          ledger_.Configure(*job_.job_key, job_.id, job_.num_servers,
+                            StagingWindow(job_.sync, job_.replicas), job_.replicas);
           if (job_.restore) result_ = RestoreCheckpoint(*job_.restore);
           if (!result_.ok()) {
             spdlog::error("server {}: {}", id_.load(), result_.message());
