@@ -104,6 +104,26 @@ JobResult RunJob(const Config& cfg,
   return r;
 }
 
+// The job's settings with a checkpoint every 5 rounds into `dir`, or resumed from it.
+Config Checkpointing(Config cfg, const fs::path& dir) {
+  cfg.checkpoint_dir = dir.string();
+  cfg.checkpoint_every = 5;
+  return cfg;
+}
+Config Resuming(Config cfg, const fs::path& dir) {
+  cfg.resume = dir.string();
+  return cfg;
+}
+
+// The final models are the same, bit for bit.
+void ExpectSameModel(const JobResult& got, const JobResult& want, const std::string& what) {
+  ASSERT_TRUE(got.finished.ok()) << what << ": " << got.finished.ToString();
+  ASSERT_EQ(got.w.size(), kDim) << what;
+  ASSERT_EQ(want.w.size(), kDim) << what;
+  EXPECT_EQ(0, std::memcmp(got.w.data(), want.w.data(), kDim * sizeof(float)))
+      << what << ": w[0] " << got.w[0] << " vs " << want.w[0];
+}
+
 // (tensor, slice) -> the CRC-32 of each copy in the servers' dumps.
 std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> Copies(const fs::path& dump) {
   std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
@@ -135,11 +155,8 @@ TEST(Replicas, EveryCopyIsBitIdenticalAndTheModelIsOneCopysBitForBit) {
   ASSERT_EQ(single.w.size(), kDim);
   ExpectCopiesEqual(one, 1);
   for (const auto& [replicas, dir] : {std::pair{2u, two}, std::pair{3u, three}}) {
-    const JobResult copied = RunJob(ReplicaJobConfig(3, replicas, dir));
-    ASSERT_TRUE(copied.finished.ok()) << copied.finished.ToString();
-    ASSERT_EQ(copied.w.size(), kDim);
-    EXPECT_EQ(0, std::memcmp(copied.w.data(), single.w.data(), kDim * sizeof(float)))
-        << replicas << " copies: w[0] " << copied.w[0] << " vs " << single.w[0];
+    ExpectSameModel(RunJob(ReplicaJobConfig(3, replicas, dir)), single,
+                    std::to_string(replicas) + " copies");
     ExpectCopiesEqual(dir, replicas);
     fs::remove_all(dir);
   }
@@ -161,12 +178,9 @@ TEST(Replicas, ABspJobThatLosesAServerEndsWithTheSameModelBitForBit) {
         RunJob(ReplicaJobConfig(3, 2, lost), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
           if (rank == 0 && c == 8 && !stopped.exchange(true)) cluster.server(victim).Stop();
         });
-    ASSERT_TRUE(failed_over.finished.ok()) << failed_over.finished.ToString();
+    ExpectSameModel(failed_over, through, "server " + std::to_string(victim) + " lost");
     EXPECT_EQ(failed_over.stats.servers_lost, 1u);
     EXPECT_EQ(failed_over.stats.rounds_closed, kClocks);
-    ASSERT_EQ(failed_over.w.size(), kDim);
-    EXPECT_EQ(0, std::memcmp(failed_over.w.data(), through.w.data(), kDim * sizeof(float)))
-        << "server " << victim << " lost: w[0] " << failed_over.w[0] << " vs " << through.w[0];
     // The surviving copies agree; the lost server wrote its dump when it stopped (at clock
     // 8), so only its copies may differ: checked by counting the survivors' files.
     size_t files = 0;
@@ -227,10 +241,7 @@ TEST(Replicas, CheckpointsHoldEveryCopyAndResumeBitForBit) {
   const fs::path dump = FreshDir("ckpt-dump"), dir = FreshDir("ckpt");
   const JobResult through = RunJob(ReplicaJobConfig(3, 2, dump));
   ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
-  Config first = ReplicaJobConfig(3, 2, dump);
-  first.checkpoint_dir = dir.string();
-  first.checkpoint_every = 5;
-  const JobResult stopped = RunJob(first, {}, 12);
+  const JobResult stopped = RunJob(Checkpointing(ReplicaJobConfig(3, 2, dump), dir), {}, 12);
   ASSERT_TRUE(stopped.finished.ok()) << stopped.finished.ToString();
   auto found = ps::FindNewestCheckpoint(dir.string(), nullptr);
   ASSERT_TRUE(found.ok()) << found.status().ToString();
@@ -255,20 +266,12 @@ TEST(Replicas, CheckpointsHoldEveryCopyAndResumeBitForBit) {
     EXPECT_EQ(list[0]->snapshot.steps, list[1]->snapshot.steps);
   }
 
-  Config other = ReplicaJobConfig(3, 1, dump);
-  other.resume = dir.string();
-  auto refused = InProcessCluster::Start(other);
+  auto refused = InProcessCluster::Start(Resuming(ReplicaJobConfig(3, 1, dump), dir));
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("--replicas 2"), std::string::npos)
       << refused.status().ToString();
 
-  Config second = ReplicaJobConfig(3, 2, dump);
-  second.resume = dir.string();
-  const JobResult resumed = RunJob(second);
-  ASSERT_TRUE(resumed.finished.ok()) << resumed.finished.ToString();
-  ASSERT_EQ(resumed.w.size(), kDim);
-  EXPECT_EQ(0, std::memcmp(resumed.w.data(), through.w.data(), kDim * sizeof(float)))
-      << "w[0] " << resumed.w[0] << " vs " << through.w[0];
+  ExpectSameModel(RunJob(Resuming(ReplicaJobConfig(3, 2, dump), dir)), through, "resumed");
   fs::remove_all(dir);
   fs::remove_all(dump);
 }
@@ -280,12 +283,9 @@ TEST(Replicas, ACheckpointAfterALossResumesTheLostRankFromItsCopies) {
   const fs::path dump = FreshDir("loss-dump"), dir = FreshDir("loss-ckpt");
   const JobResult through = RunJob(ReplicaJobConfig(3, 2, dump));
   ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
-  Config first = ReplicaJobConfig(3, 2, dump);
-  first.checkpoint_dir = dir.string();
-  first.checkpoint_every = 5;
   std::atomic<bool> stopped{false};
   const JobResult lost = RunJob(
-      first,
+      Checkpointing(ReplicaJobConfig(3, 2, dump), dir),
       [&](uint32_t rank, Clock c, LocalCluster& cluster) {
         if (rank == 1 && c == 7 && !stopped.exchange(true)) {
           cluster.server(1).Stop();  // in a job with checkpoints it drains for the checkpoint;
@@ -301,13 +301,8 @@ TEST(Replicas, ACheckpointAfterALossResumesTheLostRankFromItsCopies) {
   ASSERT_EQ(found->manifest.lost_ranks.size(), 1u);
   EXPECT_EQ(found->manifest.files.size(), 2u);
 
-  Config second = ReplicaJobConfig(3, 2, dump);
-  second.resume = dir.string();
-  const JobResult resumed = RunJob(second);
-  ASSERT_TRUE(resumed.finished.ok()) << resumed.finished.ToString();
-  ASSERT_EQ(resumed.w.size(), kDim);
-  EXPECT_EQ(0, std::memcmp(resumed.w.data(), through.w.data(), kDim * sizeof(float)))
-      << "w[0] " << resumed.w[0] << " vs " << through.w[0];
+  ExpectSameModel(RunJob(Resuming(ReplicaJobConfig(3, 2, dump), dir)), through,
+                  "resumed after a loss");
   // Every rank holds its copies again, identical to the others.
   for (const auto& e : fs::directory_iterator(dump)) {
     json j = json::parse(std::ifstream(e.path()));
