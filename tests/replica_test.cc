@@ -376,5 +376,88 @@ TEST(Replicas, QuickRoundsNeverOverrunABackupsStagingQuota) {
   }
 }
 
+// With one copy, losing a server ends the job; in a job that writes checkpoints the other
+// servers' slices are written first, as a partial checkpoint: --resume passes over it (to the
+// newest complete one), `dsyncps checkpoint export` writes the tensors whole in it.
+TEST(Replicas, WithOneCopyALostServerEndsTheJobAfterAPartialCheckpoint) {
+  const fs::path dump = FreshDir("salvage-dump"), dir = FreshDir("salvage");
+  // Two tensors: "a" in one slice, "b" in 7 (kDim floats, 64-byte slices), over 3 servers.
+  LocalCluster cluster(Checkpointing(ReplicaJobConfig(3, 1, dump), dir));
+  ASSERT_TRUE(cluster.ok());
+  auto workers = StartWorkers(cluster.WorkerConfig(), kWorkers);
+  ASSERT_EQ(workers.size(), kWorkers);
+  std::atomic<bool> stopped{false};
+  std::vector<std::thread> threads;
+  for (uint32_t rank = 0; rank < kWorkers; ++rank) {
+    threads.emplace_back([&, rank] {
+      Worker& w = *workers[rank];
+      std::vector<float> a(4, 1.0f), b(kDim, 0.5f), ga(4, 0.01f), gb(kDim, 0.01f);
+      auto ia = w.Register("a", a);
+      auto ib = w.Register("b", b);
+      ASSERT_TRUE(ia.ok() && ib.ok());
+      for (Clock c = 0; c < 40; ++c) {
+        if (rank == 1 && c == 7 && !stopped.exchange(true)) {
+          cluster.server(2).Stop();  // drains for a checkpoint in a job that writes them...
+          cluster.server(2).Stop();  // ...asked again, it stops at once
+        }
+        if (!w.Wait(w.Pull(*ia, a.data())).ok() || !w.Wait(w.Pull(*ib, b.data())).ok()) break;
+        w.Push(*ia, ga.data());
+        w.Push(*ib, gb.data());
+        if (!w.WaitAll().ok()) break;  // the job ended under it
+      }
+      w.Abandon();
+    });
+  }
+  for (auto& t : threads) t.join();
+  const Status st = cluster.WaitFinished();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.ToString();
+  EXPECT_NE(st.message().find("the job cannot continue without its slices; the surviving slices "
+                              "are in"),
+            std::string::npos)
+      << st.ToString();
+  EXPECT_NE(st.message().find("a partial checkpoint"), std::string::npos) << st.ToString();
+
+  std::vector<ps::SkippedCheckpoint> skipped;
+  auto found = ps::FindNewestCheckpoint(dir.string(), &skipped);
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_FALSE(found->manifest.partial);
+  EXPECT_EQ(found->manifest.version % 5, 0u) << "a periodic one";
+  // The newest: partial (a periodic one in flight when the server went is written partial
+  // too, and another of the version reached after it may follow).
+  ASSERT_GE(skipped.size(), 1u);
+  for (const ps::SkippedCheckpoint& k : skipped) {
+    EXPECT_FALSE(k.damaged) << k.path;
+    EXPECT_NE(k.why.find("is partial"), std::string::npos) << k.why;
+  }
+  auto partial = ps::ReadCheckpoint(skipped[0].path);
+  ASSERT_TRUE(partial.ok()) << partial.status().ToString();
+  EXPECT_TRUE(partial->partial);
+  EXPECT_EQ(partial->files.size(), 2u);
+  EXPECT_EQ(partial->lost_ranks.size(), 1u);
+  EXPECT_GT(partial->version, found->manifest.version);
+
+  // Export: "a" (one slice) is whole unless it was on the lost rank (then it has no slice
+  // at all); "b" has slices on every rank, so it is left out, said so.
+  const std::string out = (dir / "partial.npz").string();
+  const std::string cmd = std::string(DSYNC_BINARY) + " checkpoint export " + skipped[0].path +
+                          " --format npz --out " + out + " > " + (dir / "export.log").string() +
+                          " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream log_in(dir / "export.log");
+  const std::string log((std::istreambuf_iterator<char>(log_in)), {});
+  EXPECT_NE(log.find("tensor 'b' is not whole in this partial checkpoint"), std::string::npos)
+      << log;
+  if (log.find("tensor 0 has no slice in this partial checkpoint") == std::string::npos) {
+    EXPECT_EQ(rc, 0) << log;
+    EXPECT_TRUE(fs::exists(out)) << log;
+    EXPECT_NE(log.find("wrote 1 tensor(s), 4 parameters"), std::string::npos) << log;
+  } else {
+    EXPECT_NE(rc, 0) << log;
+    EXPECT_NE(log.find("holds no tensor whole"), std::string::npos) << log;
+  }
+  fs::remove_all(dir);
+  fs::remove_all(dump);
+}
+
 }  // namespace
 }  // namespace dsync

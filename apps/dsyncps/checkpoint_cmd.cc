@@ -97,7 +97,13 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
     list = std::move(unique);
     const ps::InitMeta& first = list.front()->meta;
     uint64_t end = 0;
+    bool gap = false;  // a partial checkpoint lacks the slices of the servers that were lost
     for (const ps::CheckpointSlice* s : list) {
+      if (found.manifest.partial && s->meta.name == first.name &&
+          s->meta.tensor_elements == first.tensor_elements && s->meta.slice_offset > end) {
+        gap = true;
+        end = s->meta.slice_offset;
+      }
       if (s->meta.name != first.name || s->meta.tensor_elements != first.tensor_elements ||
           s->meta.slice_offset != end) {
         return Error(StatusCode::kDataLoss,
@@ -106,6 +112,14 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
                      found.path, id, first.name, s->slice, s->meta.slice_offset, end);
       }
       end += s->snapshot.params.size();
+    }
+    if (found.manifest.partial && (gap || end < first.tensor_elements)) {
+      std::fprintf(stderr,
+                   "dsyncps: tensor '%s' is not whole in this partial checkpoint (slices of a "
+                   "lost server); left out\n",
+                   first.name.c_str());
+      list.clear();
+      continue;
     }
     if (end != first.tensor_elements) {
       return Error(StatusCode::kDataLoss, "checkpoint {}: tensor '{}' has {} of its {} elements",
@@ -116,8 +130,19 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
                    found.path, names[first.name], id, first.name);
     }
   }
+  if (found.manifest.partial && !slices.empty()) {
+    for (TensorId id = 0; id < slices.rbegin()->first; ++id) {
+      if (!slices.contains(id)) {
+        std::fprintf(stderr,
+                     "dsyncps: tensor %u has no slice in this partial checkpoint (all were on "
+                     "the lost server); left out\n",
+                     id);
+      }
+    }
+  }
   std::vector<Assembled> out;
   for (const auto& [id, list] : slices) {
+    if (list.empty()) continue;  // not whole in a partial checkpoint
     const ps::InitMeta& meta = list.front()->meta;
     Assembled t;
     t.name = meta.name;
@@ -127,6 +152,12 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
       t.values.insert(t.values.end(), s->snapshot.params.begin(), s->snapshot.params.end());
     }
     out.push_back(std::move(t));
+  }
+  if (out.empty() && found.manifest.partial) {
+    return Error(StatusCode::kDataLoss,
+                 "checkpoint {} is partial and holds no tensor whole: every tensor had slices "
+                 "on the lost server(s)",
+                 found.path);
   }
   return out;
 }

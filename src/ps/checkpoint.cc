@@ -199,6 +199,7 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
     m.slice_bytes = j.at("slice_bytes").get<uint64_t>();
     m.replicas = j.value("replicas", uint32_t{1});
     if (j.contains("lost_ranks")) m.lost_ranks = j.at("lost_ranks").get<std::vector<uint32_t>>();
+    if (j.contains("partial")) m.partial = j.at("partial").get<bool>();
     m.sync = j.at("sync").get<std::string>();
     m.gradients_committed = j.at("gradients_committed").get<uint64_t>();
     m.clock = j.at("clock").get<Clock>();
@@ -235,7 +236,8 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
     if (f.rank >= m.num_servers || seen[f.rank]) return bad;
     seen[f.rank] = true;
   }
-  if (!m.lost_ranks.empty() && !EverySliceHasACopy(lost, m.replicas)) return bad;
+  // Partial exactly when some slice may have no copy left in it.
+  if (m.partial != (!m.lost_ranks.empty() && !EverySliceHasACopy(lost, m.replicas))) return bad;
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   return m;
 }
@@ -442,6 +444,7 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
             {"learning_rate", nullptr},
             {"files", files}};
   if (!m.lost_ranks.empty()) j["lost_ranks"] = m.lost_ranks;
+  if (m.partial) j["partial"] = true;
   if (m.learning_rate) {
     j["learning_rate"] = {{"from_round", m.learning_rate->first}, {"value", m.learning_rate->second}};
   }
@@ -473,6 +476,15 @@ Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
     if (st.ok() && m->version != version) {
       st = Error(StatusCode::kDataLoss, "'{}' names version {}, its directory {}",
                  (path / kManifest).string(), m->version, version);
+    }
+    if (st.ok() && m->partial) {  // sound, but not the whole model: an older one is resumed
+      refused.push_back({path.string(),
+                         fmt::format("'{}' is partial (written when server rank(s) {} were lost, "
+                                     "without their slices): `dsyncps checkpoint export` reads "
+                                     "it, a job cannot resume from it",
+                                     path.string(), fmt::join(m->lost_ranks, ", ")),
+                         /*damaged=*/false});
+      continue;
     }
     if (st.ok()) {
       report();

@@ -66,9 +66,12 @@ struct CheckpointManifest {
   Clock clock = 0;
   std::optional<std::pair<Round, float>> learning_rate;  // the newest change, if any
   std::vector<CheckpointFile> files;  // one per server rank, but for the lost ones
-  // Ranks lost before the checkpoint (Config::replicas > 1): they wrote no file; the other
-  // ranks' files hold copies of every slice they held.
+  // Ranks lost before the checkpoint: they wrote no file. With copies (Config::replicas > 1)
+  // the other ranks' files hold copies of every slice they held...
   std::vector<uint32_t> lost_ranks;
+  // ...else the checkpoint is partial: what the servers left held when the job ended for
+  // want of a lost one's slices. Export reads it (the tensors whole in it); --resume does not.
+  bool partial = false;
 };
 
 // The directory of the checkpoint at `version` under `dir`.
@@ -94,6 +97,7 @@ struct FoundCheckpoint {
 struct SkippedCheckpoint {
   std::string path;  // its directory
   std::string why;   // names the file and what is wrong with it
+  bool damaged = true;  // else sound but partial (CheckpointManifest::partial)
 };
 // One checkpoint's manifest, once the checkpoint is found complete and sound (as below).
 // kDataLoss for damage, naming the file.
@@ -102,8 +106,8 @@ Result<CheckpointManifest> ReadCheckpoint(const std::string& checkpoint_dir);
 // The newest checkpoint under `dir` that is complete and sound: its manifest is there and
 // every file it names is a regular file with the recorded size, header (rank, servers,
 // version, slice size) and CRC-32 (streamed: nothing is parsed or held in memory). A newer one
-// that is damaged (no manifest; a missing, short, foreign or corrupt file: kDataLoss) is
-// appended to `skipped`; any other error (the disk cannot be read) is returned, since
+// that is damaged (no manifest; a missing, short, foreign or corrupt file: kDataLoss), or
+// sound but partial, is appended to `skipped`; any other error (the disk cannot be read) is returned, since
 // passing over a sound checkpoint would roll the job back. NotFound when there is none.
 Result<FoundCheckpoint> FindNewestCheckpoint(const std::string& dir,
                                              std::vector<SkippedCheckpoint>* skipped);

@@ -1,5 +1,9 @@
 #include "ps/checkpoint_coordinator.h"
 
+#include <fmt/ranges.h>
+
+#include "ps/slicing.h"
+
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -21,7 +25,8 @@ std::string Absolute(const std::string& dir) {
 
 CheckpointCoordinator::CheckpointCoordinator(const Config& config, Version start)
     : dir_(Absolute(config.checkpoint_dir)), every_(config.checkpoint_every),
-      every_seconds_(config.checkpoint_every_seconds), start_(start), last_begun_(start),
+      every_seconds_(config.checkpoint_every_seconds), replicas_(config.replicas), start_(start),
+      last_begun_(start),
       last_begun_at_(Clock::now()) {}
 
 bool CheckpointCoordinator::Due(Version version, Clock::time_point now) const {
@@ -84,6 +89,10 @@ bool CheckpointCoordinator::Settle() {
     if (!pending_->files[r] && !lost(r)) return false;
   }
   std::sort(m.lost_ranks.begin(), m.lost_ranks.end());
+  std::vector<bool> lost_by_rank(pending_->files.size(), false);
+  for (uint32_t r : m.lost_ranks) lost_by_rank[r] = true;
+  m.partial = !m.lost_ranks.empty() && !EverySliceHasACopy(lost_by_rank, replicas_);
+  last_partial_ = m.partial;
   uint64_t bytes = 0;
   for (const auto& f : pending_->files) {
     if (!f) continue;
@@ -97,6 +106,14 @@ bool CheckpointCoordinator::Settle() {
     spdlog::error("scheduler: {}", last_result_.message());
   } else {
     const double s = std::chrono::duration<double>(Clock::now() - pending_->began).count();
+    if (m.partial) {
+      spdlog::warn("scheduler: partial checkpoint of version {} written: {} bytes from {} "
+                   "server(s) in {:.2f} s ({}); the slices of lost server rank(s) {} are not in "
+                   "it: `dsyncps checkpoint export` reads it, --resume does not",
+                   version, bytes, m.files.size(), s, path, fmt::join(m.lost_ranks, ", "));
+      pending_.reset();
+      return true;
+    }
     spdlog::info("scheduler: checkpoint of version {} complete: {} bytes from {} server(s) in "
                  "{:.2f} s ({}){}",
                  version, bytes, m.files.size(), s, path,

@@ -44,11 +44,14 @@ class CheckpointCoordinator {
   const Status& last_result() const { return last_result_; }
   // Whether any checkpoint of this job completed (resuming from this directory would work).
   bool complete_any() const { return complete_any_; }
+  // Whether the newest settled checkpoint is partial (lost servers' slices missing).
+  bool last_partial() const { return last_partial_; }
 
  private:
   std::string dir_;
   uint64_t every_;
   bool every_seconds_;
+  uint32_t replicas_;
   Version start_;
   Version last_begun_;
   Clock::time_point last_begun_at_;
@@ -61,6 +64,7 @@ class CheckpointCoordinator {
   bool Settle();  // writes the manifest once every rank not lost has reported
   Status last_result_;
   bool complete_any_ = false;
+  bool last_partial_ = false;
 };
 
 }  // namespace dsync::ps

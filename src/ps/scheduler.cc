@@ -129,6 +129,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // The refused ones are newer than the one this job continues from: set aside, so that
     // neither a later --resume nor pruning mistakes them for this job's.
     for (const SkippedCheckpoint& s : skipped) {
+      if (!s.damaged) continue;  // a partial one stays for export
       if (Status st = SetAside(s.path); !st.ok()) return st.WithContext("--resume");
       spdlog::warn("scheduler: --resume: moved {} aside", s.path);
     }
@@ -270,9 +271,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     if (info.kind == PeerKind::kServer && stopping_) {
-      EndStopping(Error(StatusCode::kUnavailable, "stopped without a checkpoint of where the job "
-                                                  "was: server {} went ({})",
-                        info.id, why.message()));
+      EndStopping(!salvage_.ok()
+                      ? Error(salvage_.code(), "{}; no checkpoint of the surviving slices: "
+                                               "server {} went too ({})",
+                              salvage_.message(), info.id, why.message())
+                      : Error(StatusCode::kUnavailable, "stopped without a checkpoint of where "
+                                                        "the job was: server {} went ({})",
+                              info.id, why.message()));
       return;
     }
     if (info.kind == PeerKind::kServer) {
@@ -730,12 +735,30 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     std::vector<bool> lost = left_out_.back();
     lost[rank] = true;
     if (cfg_.replicas <= 1 || !s.ready || !EverySliceHasACopy(lost, cfg_.replicas)) {
-      Finish(Error(StatusCode::kUnavailable, "server {} {}; the job cannot continue without its "
-                                             "slices{}",
-                   id, what,
-                   cfg_.replicas <= 1 ? ""
-                   : s.ready          ? " (every copy of some slices is lost now)"
-                                      : " (it was lost before it was ready)"));
+      Status why = Error(StatusCode::kUnavailable,
+                         "server {} {}; the job cannot continue without its slices{}", id, what,
+                         cfg_.replicas <= 1 ? ""
+                         : s.ready          ? " (every copy of some slices is lost now)"
+                                            : " (it was lost before it was ready)");
+      if (!checkpoints_.enabled() || !s.ready || stopping_) {
+        Finish(std::move(why));
+        return;
+      }
+      // What the other servers hold is kept first: a partial checkpoint of where the job
+      // was (export reads it), then the job ends with the loss as its error.
+      spdlog::error("scheduler: {}; writing a checkpoint of the surviving slices first (at "
+                    "most {} s)",
+                    why.message(), kStopCheckpointSeconds);
+      s.lost = true;
+      peers_.erase(s.peer);
+      doomed_.insert(s.peer);
+      transport_->Close(s.peer);
+      audit_.Member("lost", "server", id, fmt::format("{}:{}", s.host, s.port), what);
+      salvage_ = std::move(why);
+      stopping_ = true;
+      stop_deadline_ = SteadyClock::now() + std::chrono::seconds(kStopCheckpointSeconds);
+      (void)checkpoints_.Lost(rank);  // one in flight goes on without this rank
+      StopIfCheckpointSettled();
       return;
     }
     s.lost = true;
@@ -951,6 +974,19 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       BeginCheckpoint();
       return;
     }
+    if (!salvage_.ok()) {  // a lost server ended the job: it fails, saying what was kept
+      EndStopping(checkpoints_.last_result().ok()
+                      ? Error(salvage_.code(), "{}; the surviving slices are in {} ({}: "
+                                               "`dsyncps checkpoint export` reads it)",
+                              salvage_.message(), cfg_.checkpoint_dir,
+                              checkpoints_.last_partial()
+                                  ? "a partial checkpoint, which --resume passes over"
+                                  : "a complete checkpoint")
+                      : Error(salvage_.code(), "{}; no checkpoint of the surviving slices could "
+                                               "be written: {}",
+                              salvage_.message(), checkpoints_.last_result().message()));
+      return;
+    }
     if (!checkpoints_.last_result().ok()) {
       EndStopping(checkpoints_.last_result().WithContext("stopped without a checkpoint of "
                                                          "where the job was"));
@@ -1119,10 +1155,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
       if (stopping_ && !stop_ && now > stop_deadline_) {
-        EndStopping(Error(StatusCode::kDeadlineExceeded,
-                          "stopped without a checkpoint of where the job was: none was written "
-                          "within {} s of the stop",
-                          kStopCheckpointSeconds));
+        EndStopping(!salvage_.ok()
+                        ? Error(salvage_.code(), "{}; no checkpoint of the surviving slices was "
+                                                 "written within {} s",
+                                salvage_.message(), kStopCheckpointSeconds)
+                        : Error(StatusCode::kDeadlineExceeded,
+                                "stopped without a checkpoint of where the job was: none was "
+                                "written within {} s of the stop",
+                                kStopCheckpointSeconds));
       }
     }
   }
@@ -1187,6 +1227,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   uint64_t gradients_in_rounds_ = 0;        // of this job, in the rounds sent so far
   bool stopping_ = false;                   // Stop() waits for a checkpoint
   Status stop_result_;                      // what Run returns after a Stop
+  Status salvage_;  // a lost server ended the job; the others' slices are written first
   SteadyClock::time_point stop_deadline_;
   // Per worker, the clock after its newest gradient in a round sent so far (checkpoints).
   std::map<WorkerId, Clock> placed_next_clock_;
