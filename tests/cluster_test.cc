@@ -240,15 +240,21 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
   return discounted;
 }
 
-// "MODE" or "MODE/STALENESS-POLICY".
+// "MODE" or "MODE/STALENESS-POLICY", optionally "+R": R copies of every slice.
 class ModeTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
   constexpr int kWorkers = 4;
   constexpr uint32_t kIters = 30;
-  const std::string param = GetParam();
+  std::string param = GetParam();
+  uint32_t copies = 1;
+  if (const size_t plus = param.find('+'); plus != std::string::npos) {
+    copies = static_cast<uint32_t>(std::stoul(param.substr(plus + 1)));
+    param.resize(plus);
+  }
   const size_t slash = param.find('/');
   Config cfg = TestConfig(param.substr(0, slash).c_str(), 2, kWorkers);
+  cfg.replicas = copies;
   if (slash != std::string::npos) {
     cfg.staleness = StalenessPolicy::Parse(param.substr(slash + 1)).value();
   }
@@ -931,11 +937,13 @@ TEST(Cluster, AGradientMayBeFreedOnceItsPushFailed) {
 INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                          ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp",
                                            "dsync:auto", "dsync:2,3/inverse", "ssp:2/inverse",
-                                           "asp/exp:0.5"),
+                                           "asp/exp:0.5", "bsp+2", "dsync:2,3+2", "ssp:2+2",
+                                           "asp+2", "dsync:auto+2"),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            for (char& ch : n) {
                              if (ch == ':' || ch == ',' || ch == '/' || ch == '.') ch = '_';
+                             if (ch == '+') ch = 'x';
                            }
                            return n;
                          });
