@@ -130,6 +130,12 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
                    found.path, names[first.name], id, first.name);
     }
   }
+  if (found.manifest.partial) {
+    std::fprintf(stderr,
+                 "dsyncps: %s is partial (server rank(s) lost: their slices are not in it); only "
+                 "the tensors whole in it are written\n",
+                 found.path.c_str());
+  }
   if (found.manifest.partial && !slices.empty()) {
     for (TensorId id = 0; id < slices.rbegin()->first; ++id) {
       if (!slices.contains(id)) {

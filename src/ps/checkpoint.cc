@@ -30,6 +30,7 @@ bool IsMagic(const void* p) {
 constexpr const char* kManifest = "MANIFEST.json";
 constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kRefusedPrefix = "refused-";
+constexpr const char* kPartialPrefix = "partial-";
 // A manifest is a few hundred bytes per server; anything this large is not one.
 constexpr uint64_t kMaxManifestBytes = 1u << 20;
 // Bytes before a server file's slices: magic, rank, servers, version, slice bytes, count.
@@ -513,17 +514,33 @@ Status CheckUtf8(const std::string& path) {
   return Status::Ok();
 }
 
-Status SetAside(const std::string& checkpoint_dir) {
+namespace {
+
+// Renames DIR/ckpt-... to DIR/<prefix>ckpt-...: no longer listed (Listed), so neither resumed
+// from, nor pruned, nor overwritten by a later checkpoint of the same version.
+Result<std::string> MoveAside(const std::string& checkpoint_dir, std::string_view prefix,
+                              std::string_view what) {
   const fs::path from(checkpoint_dir);
-  const fs::path to = from.parent_path() / (kRefusedPrefix + from.filename().string());
+  const fs::path to = from.parent_path() / (std::string(prefix) + from.filename().string());
   std::error_code ec;
   fs::remove_all(to, ec);
   fs::rename(from, to, ec);
   if (ec) {
-    return Error(StatusCode::kUnavailable, "cannot move the refused checkpoint '{}' aside: {}",
+    return Error(StatusCode::kUnavailable, "cannot move the {} checkpoint '{}' aside: {}", what,
                  checkpoint_dir, ec.message());
   }
-  return Status::Ok();
+  DSYNC_RETURN_IF_ERROR(SyncDirectory(from.parent_path().string()));
+  return to.string();
+}
+
+}  // namespace
+
+Status SetAside(const std::string& checkpoint_dir) {
+  return MoveAside(checkpoint_dir, kRefusedPrefix, "refused").status();
+}
+
+Result<std::string> KeepPartial(const std::string& checkpoint_dir) {
+  return MoveAside(checkpoint_dir, kPartialPrefix, "partial");
 }
 
 void PruneCheckpoints(const std::string& dir, size_t keep) {

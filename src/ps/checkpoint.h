@@ -118,6 +118,10 @@ Status CheckUtf8(const std::string& path);
 // nor pruning takes it for one of this job's.
 Status SetAside(const std::string& checkpoint_dir);
 
+// Moves a partial checkpoint (CheckpointManifest::partial) to DIR/partial-ckpt-... and
+// returns that path: export reads it there; resuming, pruning and later checkpoints leave it.
+Result<std::string> KeepPartial(const std::string& checkpoint_dir);
+
 // Deletes complete checkpoints under `dir` older than the newest `keep` complete ones, and
 // incomplete ones older than the newest complete one. Best effort: failures are logged.
 void PruneCheckpoints(const std::string& dir, size_t keep);

@@ -72,9 +72,9 @@ bool CheckpointCoordinator::Reported(uint32_t rank, Version version,
 
 bool CheckpointCoordinator::Lost(uint32_t rank) {
   if (!pending_ || rank >= pending_->files.size()) return false;
+  if (pending_->files[rank]) return false;  // it wrote its part before it went: kept
   std::vector<uint32_t>& lost = pending_->manifest.lost_ranks;
   if (std::find(lost.begin(), lost.end(), rank) == lost.end()) lost.push_back(rank);
-  pending_->files[rank].reset();
   return Settle();
 }
 
@@ -92,7 +92,6 @@ bool CheckpointCoordinator::Settle() {
   std::vector<bool> lost_by_rank(pending_->files.size(), false);
   for (uint32_t r : m.lost_ranks) lost_by_rank[r] = true;
   m.partial = !m.lost_ranks.empty() && !EverySliceHasACopy(lost_by_rank, replicas_);
-  last_partial_ = m.partial;
   uint64_t bytes = 0;
   for (const auto& f : pending_->files) {
     if (!f) continue;
@@ -107,13 +106,21 @@ bool CheckpointCoordinator::Settle() {
   } else {
     const double s = std::chrono::duration<double>(Clock::now() - pending_->began).count();
     if (m.partial) {
-      spdlog::warn("scheduler: partial checkpoint of version {} written: {} bytes from {} "
-                   "server(s) in {:.2f} s ({}); the slices of lost server rank(s) {} are not in "
-                   "it: `dsyncps checkpoint export` reads it, --resume does not",
-                   version, bytes, m.files.size(), s, path, fmt::join(m.lost_ranks, ", "));
+      Result<std::string> kept = KeepPartial(path);
+      if (!kept.ok()) {
+        last_result_ = kept.status();
+        spdlog::error("scheduler: {}", last_result_.message());
+      } else {
+        last_written_ = Written{version, *kept, true};
+        spdlog::warn("scheduler: partial checkpoint of version {} written: {} bytes from {} "
+                     "server(s) in {:.2f} s ({}); the slices of lost server rank(s) {} are not "
+                     "in it: `dsyncps checkpoint export` reads it, --resume does not",
+                     version, bytes, m.files.size(), s, *kept, fmt::join(m.lost_ranks, ", "));
+      }
       pending_.reset();
       return true;
     }
+    last_written_ = Written{version, path, false};
     spdlog::info("scheduler: checkpoint of version {} complete: {} bytes from {} server(s) in "
                  "{:.2f} s ({}){}",
                  version, bytes, m.files.size(), s, path,

@@ -44,8 +44,14 @@ class CheckpointCoordinator {
   const Status& last_result() const { return last_result_; }
   // Whether any checkpoint of this job completed (resuming from this directory would work).
   bool complete_any() const { return complete_any_; }
-  // Whether the newest settled checkpoint is partial (lost servers' slices missing).
-  bool last_partial() const { return last_partial_; }
+  // The newest checkpoint this job wrote (complete, or partial: lost servers' slices
+  // missing), if any.
+  struct Written {
+    Version version = 0;
+    std::string path;
+    bool partial = false;
+  };
+  const std::optional<Written>& last_written() const { return last_written_; }
 
  private:
   std::string dir_;
@@ -64,7 +70,7 @@ class CheckpointCoordinator {
   bool Settle();  // writes the manifest once every rank not lost has reported
   Status last_result_;
   bool complete_any_ = false;
-  bool last_partial_ = false;
+  std::optional<Written> last_written_;
 };
 
 }  // namespace dsync::ps

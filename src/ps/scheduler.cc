@@ -270,14 +270,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       CheckFinished();
       return;
     }
+    if (info.kind == PeerKind::kServer && !salvage_.ok()) {
+      SalvageWithout(servers_[ServerRank(info.id)],
+                     fmt::format("disconnected ({})", why.message()));
+      return;
+    }
     if (info.kind == PeerKind::kServer && stopping_) {
-      EndStopping(!salvage_.ok()
-                      ? Error(salvage_.code(), "{}; no checkpoint of the surviving slices: "
-                                               "server {} went too ({})",
-                              salvage_.message(), info.id, why.message())
-                      : Error(StatusCode::kUnavailable, "stopped without a checkpoint of where "
-                                                        "the job was: server {} went ({})",
-                              info.id, why.message()));
+      EndStopping(Error(StatusCode::kUnavailable, "stopped without a checkpoint of where the job "
+                                                  "was: server {} went ({})",
+                        info.id, why.message()));
       return;
     }
     if (info.kind == PeerKind::kServer) {
@@ -740,7 +741,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                          cfg_.replicas <= 1 ? ""
                          : s.ready          ? " (every copy of some slices is lost now)"
                                             : " (it was lost before it was ready)");
-      if (!checkpoints_.enabled() || !s.ready || stopping_) {
+      const bool others = std::any_of(servers_.begin(), servers_.end(), [&](const auto& o) {
+        return &o != &s && !o.lost && o.ready;
+      });
+      if (!salvage_.ok()) {  // another loss while the first one's checkpoint is written
+        SalvageWithout(s, what);
+        return;
+      }
+      if (!checkpoints_.enabled() || !s.ready || stopping_ || !others) {
         Finish(std::move(why));
         return;
       }
@@ -749,16 +757,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       spdlog::error("scheduler: {}; writing a checkpoint of the surviving slices first (at "
                     "most {} s)",
                     why.message(), kStopCheckpointSeconds);
-      s.lost = true;
-      peers_.erase(s.peer);
-      doomed_.insert(s.peer);
-      transport_->Close(s.peer);
-      audit_.Member("lost", "server", id, fmt::format("{}:{}", s.host, s.port), what);
       salvage_ = std::move(why);
       stopping_ = true;
       stop_deadline_ = SteadyClock::now() + std::chrono::seconds(kStopCheckpointSeconds);
-      (void)checkpoints_.Lost(rank);  // one in flight goes on without this rank
-      StopIfCheckpointSettled();
+      SalvageWithout(s, what);
       return;
     }
     s.lost = true;
@@ -789,6 +791,26 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // every slice it held (they apply the same rounds).
     if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
     Progress();
+  }
+
+  // While a lost server's end of the job keeps what the others hold (salvage_): server `s` is
+  // gone too; the checkpoint goes on without it, and the job ends once it settles, or at once
+  // when no server is left to write it.
+  void SalvageWithout(ServerEntry& s, const std::string& what) {
+    s.lost = true;
+    peers_.erase(s.peer);
+    doomed_.insert(s.peer);
+    transport_->Close(s.peer);
+    audit_.Member("lost", "server", s.id, fmt::format("{}:{}", s.host, s.port), what);
+    if (std::none_of(servers_.begin(), servers_.end(),
+                     [](const ServerEntry& o) { return !o.lost && o.ready; })) {
+      EndStopping(Error(salvage_.code(), "{}; no checkpoint of the surviving slices: server {} {}, "
+                                         "and no server is left",
+                        salvage_.message(), s.id, what));
+      return;
+    }
+    (void)checkpoints_.Lost(ServerRank(s.id));  // one in flight goes on without this rank
+    StopIfCheckpointSettled();
   }
 
   void RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close = true) {
@@ -880,6 +902,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
 
   void Progress() {
+    if (finished_ || stop_) return;  // the job ended: nothing more goes out
     for (RoundRecord& rec :
          ReplicaLagging() ? std::vector<RoundRecord>{} : rule_.CloseReady()) {
       round_entries_.clear();
@@ -918,8 +941,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   // The job ends when every worker that joined is gone and every decided round is applied.
   void CheckFinished() {
-    if (finished_ || stop_ || !started_ || rule_.live_workers() > 0 || rule_.has_queued() ||
-        !waiting_.empty()) {
+    // A stopping job ends through StopIfCheckpointSettled.
+    if (finished_ || stop_ || stopping_ || !started_ || rule_.live_workers() > 0 ||
+        rule_.has_queued() || !waiting_.empty()) {
       return;
     }
     for (const ServerEntry& s : LiveServers()) {
@@ -972,19 +996,27 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (!stopping_ || stop_ || checkpoints_.in_flight()) return;
     if (checkpoints_.FinalNeeded(rounds_announced_) && SteadyClock::now() < stop_deadline_) {
       BeginCheckpoint();
+      // Settled at once (every frame failed): go on from here rather than at the deadline.
+      if (!checkpoints_.in_flight()) StopIfCheckpointSettled();
       return;
     }
     if (!salvage_.ok()) {  // a lost server ended the job: it fails, saying what was kept
-      EndStopping(checkpoints_.last_result().ok()
-                      ? Error(salvage_.code(), "{}; the surviving slices are in {} ({}: "
-                                               "`dsyncps checkpoint export` reads it)",
-                              salvage_.message(), cfg_.checkpoint_dir,
-                              checkpoints_.last_partial()
-                                  ? "a partial checkpoint, which --resume passes over"
-                                  : "a complete checkpoint")
-                      : Error(salvage_.code(), "{}; no checkpoint of the surviving slices could "
-                                               "be written: {}",
-                              salvage_.message(), checkpoints_.last_result().message()));
+      const auto& written = checkpoints_.last_written();
+      if (!checkpoints_.last_result().ok()) {
+        EndStopping(Error(salvage_.code(), "{}; no checkpoint of the surviving slices could be "
+                                           "written: {}",
+                          salvage_.message(), checkpoints_.last_result().message()));
+      } else if (written && written->version == rounds_announced_) {
+        EndStopping(Error(salvage_.code(), "{}; the surviving slices are in {} ({}: `dsyncps "
+                                           "checkpoint export` reads it)",
+                          salvage_.message(), written->path,
+                          written->partial ? "a partial checkpoint, which --resume passes over"
+                                           : "a complete checkpoint"));
+      } else {
+        EndStopping(Error(salvage_.code(), "{}; nothing to checkpoint: no round was applied "
+                                           "since the job {}",
+                          salvage_.message(), resumed_ ? "resumed" : "started"));
+      }
       return;
     }
     if (!checkpoints_.last_result().ok()) {
@@ -1000,7 +1032,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   // The servers are told the job is over; the scheduler stops, with `why` as its result.
   void EndStopping(Status why) {
-    if (!why.ok()) spdlog::error("scheduler: {}", why.message());
+    if (!why.ok()) {
+      spdlog::error("scheduler: {}", why.message());
+      TellFailure(why);
+    }
     stop_result_ = std::move(why);
     FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
     for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
