@@ -340,6 +340,13 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
   CatchStopSignals();
 
   std::vector<Child> children;
+  // A server a signal killed (the launcher did not) in a job with copies of every slice on
+  // other servers: the scheduler decides whether the job goes on without it, and ends the job
+  // itself when it cannot.
+  auto server_killed_with_copies = [&](const Child& c, int status) {
+    return !c.is_worker && &c != &children[0] && job.replicas > 1 && WIFSIGNALED(status) &&
+           c.stopped.empty();
+  };
   // Signals every running child; `why` (the first one) is what the summary says of it.
   auto kill_all = [&](int sig, const std::string& why) {
     for (Child& c : children) {
@@ -523,10 +530,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
         // at start, never able to begin): stop everything rather than wait for the timeout.
         // (Exit 0 is a server told to shut down: the job is ending.)
         const bool clean = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        // With copies of every slice on other servers the scheduler decides whether the job
-        // can go on without it, and ends the job itself when it cannot.
-        const bool survivable = job.replicas > 1 && WIFSIGNALED(status) && c.stopped.empty();
-        if (!c.is_worker && &c != &children[0] && !clean && survivable) {
+        if (server_killed_with_copies(c, status)) {
           std::fprintf(stderr, "dsyncps: %s ended (%s); its slices have other copies\n",
                        c.name.c_str(), Describe(status).c_str());
         } else if (!c.is_worker && &c != &children[0] && !clean) {
@@ -583,8 +587,7 @@ LaunchOutcome RunCluster(const std::string& self, const Config& given, const Lau
     const bool clean = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
     if (c.is_worker && WIFSIGNALED(c.status)) {
       if (c.stopped.empty()) ++outcome.workers_killed;
-    } else if (!c.is_worker && &c != &children[0] && job.replicas > 1 &&
-               WIFSIGNALED(c.status) && c.stopped.empty()) {
+    } else if (server_killed_with_copies(c, c.status)) {
       ++outcome.servers_killed;  // the scheduler, which went on without it, says how it ended
     } else if (!clean) {
       outcome.ok = false;

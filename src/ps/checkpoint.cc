@@ -227,18 +227,18 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
       m.replicas == 0 || m.replicas > m.num_servers) {
     return bad;
   }
-  // Every rank once: a file, or lost with its slices' copies in the other files.
-  std::vector<bool> lost(m.num_servers, false), seen(m.num_servers, false);
+  // Every rank once: a file, or lost (its slices' copies, if any, in the other files).
+  std::vector<bool> seen(m.num_servers, false);
   for (uint32_t r : m.lost_ranks) {
-    if (r >= m.num_servers || lost[r]) return bad;
-    lost[r] = seen[r] = true;
+    if (r >= m.num_servers || seen[r]) return bad;
+    seen[r] = true;
   }
   for (const CheckpointFile& f : m.files) {
     if (f.rank >= m.num_servers || seen[f.rank]) return bad;
     seen[f.rank] = true;
   }
   // Partial exactly when some slice may have no copy left in it.
-  if (m.partial != (!m.lost_ranks.empty() && !EverySliceHasACopy(lost, m.replicas))) return bad;
+  if (m.partial != MissesSomeSlice(m)) return bad;
   std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.rank < b.rank; });
   return m;
 }
@@ -297,6 +297,13 @@ Status CheckFile(const std::string& path, const CheckpointFile& f, const Checkpo
 }
 
 }  // namespace
+
+bool MissesSomeSlice(const CheckpointManifest& m) {
+  if (m.lost_ranks.empty()) return false;
+  std::vector<bool> lost(m.num_servers, false);
+  for (uint32_t r : m.lost_ranks) lost[r] = true;
+  return !EverySliceHasACopy(lost, m.replicas);
+}
 
 std::string CheckpointPath(const std::string& dir, Version version) {
   return (fs::path(dir) / fmt::format("{}{:012}", kPrefix, version)).string();

@@ -74,6 +74,10 @@ struct CheckpointManifest {
   bool partial = false;
 };
 
+// Whether the manifest's lost ranks (each below num_servers) leave some slice with no copy
+// in its files: what makes a checkpoint partial.
+bool MissesSomeSlice(const CheckpointManifest& manifest);
+
 // The directory of the checkpoint at `version` under `dir`.
 std::string CheckpointPath(const std::string& dir, Version version);
 // The name of the file of the server of `rank`.

@@ -2,8 +2,6 @@
 
 #include <fmt/ranges.h>
 
-#include "ps/slicing.h"
-
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -25,8 +23,7 @@ std::string Absolute(const std::string& dir) {
 
 CheckpointCoordinator::CheckpointCoordinator(const Config& config, Version start)
     : dir_(Absolute(config.checkpoint_dir)), every_(config.checkpoint_every),
-      every_seconds_(config.checkpoint_every_seconds), replicas_(config.replicas), start_(start),
-      last_begun_(start),
+      every_seconds_(config.checkpoint_every_seconds), start_(start), last_begun_(start),
       last_begun_at_(Clock::now()) {}
 
 bool CheckpointCoordinator::Due(Version version, Clock::time_point now) const {
@@ -82,16 +79,12 @@ bool CheckpointCoordinator::Settle() {
   CheckpointManifest& m = pending_->manifest;
   const Version version = m.version;
   const std::string path = CheckpointPath(dir_, version);
-  const auto lost = [&](uint32_t r) {
-    return std::find(m.lost_ranks.begin(), m.lost_ranks.end(), r) != m.lost_ranks.end();
-  };
-  for (uint32_t r = 0; r < pending_->files.size(); ++r) {
-    if (!pending_->files[r] && !lost(r)) return false;
-  }
+  // Every rank has written its part or is lost.
+  size_t written = 0;
+  for (const auto& f : pending_->files) written += f ? 1 : 0;
+  if (written + m.lost_ranks.size() < pending_->files.size()) return false;
   std::sort(m.lost_ranks.begin(), m.lost_ranks.end());
-  std::vector<bool> lost_by_rank(pending_->files.size(), false);
-  for (uint32_t r : m.lost_ranks) lost_by_rank[r] = true;
-  m.partial = !m.lost_ranks.empty() && !EverySliceHasACopy(lost_by_rank, replicas_);
+  m.partial = MissesSomeSlice(m);
   uint64_t bytes = 0;
   for (const auto& f : pending_->files) {
     if (!f) continue;

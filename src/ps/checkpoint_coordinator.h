@@ -57,7 +57,6 @@ class CheckpointCoordinator {
   std::string dir_;
   uint64_t every_;
   bool every_seconds_;
-  uint32_t replicas_;
   Version start_;
   Version last_begun_;
   Clock::time_point last_begun_at_;

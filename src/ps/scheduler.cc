@@ -787,11 +787,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       SalvageWithout(s, what);
       return;
     }
-    s.lost = true;
+    DropServer(s, what);
     servers_lost_.push_back(id);
     left_out_.push_back(std::move(lost));
-    peers_.erase(s.peer);
-    doomed_.insert(s.peer);  // what it sent before is ignored
     FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
     gone.set_gone_server(id);
     gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
@@ -804,7 +802,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       transport_->Close(peer);
     }
     ++counters_.servers_lost;
-    audit_.Member("lost", "server", id, fmt::format("{}:{}", s.host, s.port), what);
     spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
                  "on with {} of {} server(s)",
                  id, what, servers_.size() - servers_lost_.size(), servers_.size());
@@ -817,15 +814,21 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Progress();
   }
 
+  // Server `s` is out of the job: marked lost, what it sent before is ignored, and the audit
+  // says so. (Its connection is closed by the caller, at once or once a last frame has left.)
+  void DropServer(ServerEntry& s, const std::string& what) {
+    s.lost = true;
+    peers_.erase(s.peer);
+    doomed_.insert(s.peer);
+    audit_.Member("lost", "server", s.id, fmt::format("{}:{}", s.host, s.port), what);
+  }
+
   // While a lost server's end of the job keeps what the others hold (salvage_): server `s` is
   // gone too; the checkpoint goes on without it, and the job ends once it settles, or at once
   // when no server is left to write it.
   void SalvageWithout(ServerEntry& s, const std::string& what) {
-    s.lost = true;
-    peers_.erase(s.peer);
-    doomed_.insert(s.peer);
+    DropServer(s, what);
     transport_->Close(s.peer);
-    audit_.Member("lost", "server", s.id, fmt::format("{}:{}", s.host, s.port), what);
     if (std::none_of(servers_.begin(), servers_.end(),
                      [](const ServerEntry& o) { return !o.lost && o.ready; })) {
       EndStopping(Error(salvage_.code(), "{}; no checkpoint of the surviving slices: server {} {}, "

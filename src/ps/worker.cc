@@ -87,10 +87,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       losses_ = static_cast<uint32_t>(w.servers_lost.size());
       // Losses announced after the welcome, before it was read here.
       for (const auto& [server, losses] : std::exchange(early_losses_, {})) {
-        if (ServerRank(server) < server_lost_.size() && losses > losses_) {
-          server_lost_[ServerRank(server)] = true;
-          losses_ = losses;
-        }
+        (void)MarkLost(server, losses);
       }
       clock_ = w.start_clock;
       gate_clock_ = w.start_clock;
@@ -172,12 +169,16 @@ class WorkerNode final : public Worker, public TransportHandler {
     std::vector<std::byte> meta;
     for (const SliceRef& s : tensor.layout.slices) {
       EncodeInit({tensor.name, values.size(), s.offset, options.optimizer, options.shape}, meta);
-      bool first = true;
+      const std::optional<uint32_t> primary = PrimaryOf(s);
+      if (!primary) {
+        if (!primaries) continue;  // nothing to create
+        FinishOp(op, Error(StatusCode::kUnavailable, "every copy of tensor '{}' slice {} is lost",
+                           tensor.name, s.index));
+        break;
+      }
       for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy, on its own server
         const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
-        if (server_lost_[rank]) continue;
-        const bool primary = std::exchange(first, false);
-        if (primary != primaries) continue;
+        if (server_lost_[rank] || (rank == *primary) != primaries) continue;
         FrameHeader h = SliceHeader(MsgType::kInit, op, id, s);
         h.set_replica(j);
         ++ops_[op].outstanding;
@@ -190,11 +191,6 @@ class WorkerNode final : public Worker, public TransportHandler {
         }
       }
       if (ops_[op].done) break;
-      if (first && primaries) {
-        FinishOp(op, Error(StatusCode::kUnavailable, "every copy of tensor '{}' slice {} is lost",
-                           tensor.name, s.index));
-        break;
-      }
     }
     if (ops_[op].outstanding == 0 && !ops_[op].done) FinishOp(op, Status::Ok());
     return WaitLocked(lock, op, nullptr);
@@ -256,14 +252,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     Status st = InitCopies(lock, id, init, options, /*primaries=*/true);
     if (st.ok() && replicas_ > 1) {
       std::vector<float> model(init.size());
-      const uint32_t pull = NewOp(OpKind::kPull, id);
-      ops_[pull].clock = kNever;  // no clock's pull: it tells the scheduler nothing
-      ops_[pull].out = model.data();
-      ops_[pull].version = std::numeric_limits<Version>::max();
-      ops_[pull].outstanding = static_cast<uint32_t>(tensors_[id].layout.slices.size());
-      ops_[pull].holds_payload = true;
-      SendPulls(pull);
-      st = WaitLocked(lock, pull, nullptr);
+      // No clock's pull: it goes out now and tells the scheduler nothing.
+      st = WaitLocked(lock, OpOf(PullLocked(id, model.data(), kNever)), nullptr);
       if (st.ok()) st = InitCopies(lock, id, model, options, /*primaries=*/false);
     }
     registering_ = false;
@@ -817,7 +807,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       return HandleOf(op);
     }
     o.outstanding = static_cast<uint32_t>(tensors_[tensor].layout.slices.size());
-    if (gate_clock_ >= clock) {
+    if (clock == kNever || gate_clock_ >= clock) {  // kNever: no clock's (Register's read-back)
       SendPulls(op);
     } else {
       deferred_pulls_.push_back(op);  // waits for the gate of its clock
@@ -835,14 +825,19 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
   }
 
+  // The rank of the first live copy of slice `s` (its primary now), if any is left.
+  std::optional<uint32_t> PrimaryOf(const SliceRef& s) const {
+    for (uint32_t j = 0; j < replicas_; ++j) {
+      const uint32_t r = ReplicaRank(s.server, j, job_.num_servers);
+      if (!server_lost_[r]) return r;
+    }
+    return std::nullopt;
+  }
+
   // Asks the first live copy of slice `s` for the pull `op`; false once the worker broke.
   bool SendPull(uint32_t op, const SliceRef& s) {
     Op& o = ops_[op];
-    std::optional<uint32_t> rank;
-    for (uint32_t j = 0; j < replicas_ && !rank; ++j) {
-      const uint32_t r = ReplicaRank(s.server, j, job_.num_servers);
-      if (!server_lost_[r]) rank = r;
-    }
+    const std::optional<uint32_t> rank = PrimaryOf(s);
     if (!rank) {
       Break(Error(StatusCode::kUnavailable, "every copy of tensor {} slice {} is lost", o.tensor,
                   s.index));
@@ -887,6 +882,16 @@ class WorkerNode final : public Worker, public TransportHandler {
                  job_.worker_id, kFirstServerId + rank, why.message(), cfg_.connect_timeout_ms);
   }
 
+  // Records the scheduler's word that `server` is lost (the `losses`-th loss); false for news
+  // already known or a rank that is not the job's.
+  bool MarkLost(NodeId server, uint32_t losses) {
+    const uint32_t rank = ServerRank(server);
+    if (rank >= server_lost_.size() || server_lost_[rank] || losses <= losses_) return false;
+    server_lost_[rank] = true;
+    losses_ = losses;
+    return true;
+  }
+
   // The scheduler lost a server: what it owed is given up, its share of every commit's
   // receipts taken out, and pulls it was asked go to the next copy of each slice.
   void OnServerLost(NodeId server, uint32_t losses) {
@@ -894,10 +899,8 @@ class WorkerNode final : public Worker, public TransportHandler {
       early_losses_.emplace_back(server, losses);
       return;
     }
+    if (!MarkLost(server, losses)) return;
     const uint32_t rank = ServerRank(server);
-    if (rank >= server_lost_.size() || server_lost_[rank] || losses <= losses_) return;
-    server_lost_[rank] = true;
-    losses_ = losses;
     spdlog::warn("worker {}: server {} was lost; its slices' other copies serve from now on",
                  job_.worker_id, server);
     if (rank < servers_.size() && servers_[rank] != kNoPeer) transport_->Close(servers_[rank]);
