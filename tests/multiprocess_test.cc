@@ -212,8 +212,12 @@ TEST_F(MultiProcess, AnInterruptedJobWritesACheckpointFirstAndResumesFromIt) {
   ASSERT_TRUE(fs::exists(newest / "MANIFEST.json")) << out1;
   const json manifest = json::parse(std::ifstream(newest / "MANIFEST.json"));
   const uint64_t before = manifest["gradients_committed"].get<uint64_t>();
-  EXPECT_GT(manifest["version"].get<uint64_t>(), 0u);
-  EXPECT_EQ(before, 2 * manifest["version"].get<uint64_t>()) << "bsp: two gradients a round";
+  const uint64_t version = manifest["version"].get<uint64_t>();
+  EXPECT_GT(version, 0u);
+  // bsp: two gradients a round while both workers run; the launcher's SIGTERM reaches them at
+  // different moments, and the rounds after the first one left close with the other alone.
+  EXPECT_LE(before, 2 * version);
+  EXPECT_GE(before, version);
   std::vector<std::string> second = job;
   second.insert(second.end(), {"--iters", "5", "--resume", ckpt});
   const std::string out2 = RunLocal(second);
