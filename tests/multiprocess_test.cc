@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -431,6 +433,110 @@ TEST_F(MultiProcess, AStalledSchedulerEvictsNobodyWhenItResumes) {
   EXPECT_EQ(sched.find("stopped answering"), std::string::npos) << sched;
   EXPECT_NE(sched.find("this process was stalled for"), std::string::npos) << sched;
   EXPECT_NE(sched.find("failed 0"), std::string::npos) << sched;
+}
+
+// A journaled job outlives its scheduler: SIGKILLed mid-job and started again with
+// --resume JOURNAL, it replays its decisions, the servers and workers come back within the
+// reconnect grace, rounds the servers missed are sent again, a commit whose answer was lost
+// is answered as before, and the job ends with every gradient applied exactly once.
+TEST_F(MultiProcess, ASchedulerKilledAndRestartedFromItsJournalLosesNothing) {
+  const std::string journal = (dir_ / "journal").string();
+  struct Case {
+    std::string sync;
+    std::optional<int> crash_after_round;  // else SIGKILLed at some moment
+    int restarts = 1;                      // the restarted scheduler is killed again
+  };
+  for (const Case& c : {Case{"bsp", std::nullopt}, Case{"dsync:2,1", std::nullopt},
+                        Case{"bsp", 20}, Case{"dsync:2,1", 20}, Case{"bsp", std::nullopt, 2}}) {
+    SCOPED_TRACE(c.sync + (c.crash_after_round ? " crashing after a round" : " killed") +
+                 fmt::format(", restarted {} time(s)", c.restarts));
+    fs::remove(journal);
+    fs::remove_all(dir_ / "dump");
+    fs::create_directories(dir_ / "dump");
+    std::map<std::string, std::string> env = {
+        {"DSYNC_SYNC", c.sync},
+        {"DSYNC_JOURNAL", journal},
+        {"DSYNC_RECONNECT_GRACE", "20"},
+        {"DSYNC_AUDIT_LOG", (dir_ / "audit.jsonl").string()},
+        {"DSYNC_DUMP_MODEL", (dir_ / "dump").string()}};
+    if (c.crash_after_round) {
+      env["DSYNC_TEST_CRASH_AFTER_ROUND"] = std::to_string(*c.crash_after_round);
+    }
+    const uint64_t iters = 80 * c.restarts;
+    RoleJob job(dir_, 2, 2, {"--iters", std::to_string(iters), "--compute-ms", "5"}, env);
+    ASSERT_TRUE(job.workers[1]->WaitForOutput("joined", 20s)) << job.workers[1]->Output();
+    if (!c.crash_after_round) {
+      std::this_thread::sleep_for(400ms);
+      job.scheduler->Signal(SIGKILL);
+    }
+    EXPECT_NE(job.scheduler->Wait(20s), 0) << job.scheduler->Output();
+    std::this_thread::sleep_for(500ms);  // the nodes notice, and wait
+    auto env2 = job.env;
+    env2.erase("DSYNC_TEST_CRASH_AFTER_ROUND");
+    for (int k = 1; k < c.restarts; ++k) {  // killed again once every node is back
+      Proc between({DSYNC_BINARY, "scheduler", "--resume", journal}, env2,
+                   dir_ / fmt::format("scheduler-between{}.log", k));
+      ASSERT_TRUE(between.WaitForOutput("every node of the job is back", 30s)) << between.Output();
+      std::this_thread::sleep_for(200ms);
+      between.Signal(SIGKILL);
+      EXPECT_NE(between.Wait(10s), 0);
+      std::this_thread::sleep_for(300ms);
+    }
+    Proc again({DSYNC_BINARY, "scheduler", "--resume", journal}, env2, dir_ / "scheduler2.log");
+    uint64_t total = 0;
+    for (auto& w : job.workers) {
+      EXPECT_EQ(w->Wait(60s), 0) << w->Output();
+      EXPECT_NE(w->Output().find("back with the restarted scheduler"), std::string::npos)
+          << w->Output();
+      total += Completed(w->Output(), false);
+    }
+    EXPECT_EQ(again.Wait(30s), 0) << again.Output();
+    for (auto& s : job.servers) EXPECT_EQ(s->Wait(30s), 0) << s->Output();
+    const std::string out = again.Output();
+    EXPECT_NE(out.find("continuing the job of " + journal), std::string::npos) << out;
+    EXPECT_NE(out.find("every node of the job is back"), std::string::npos) << out;
+    if (c.crash_after_round) {
+      // Round 20 was journaled and never sent: the servers get it (and what follows) now, and
+      // the commits answered with it are answered again.
+      EXPECT_EQ(out.find(" (0 round(s) sent again)"), std::string::npos) << out;
+      EXPECT_NE(out.find("round(s) sent again"), std::string::npos) << out;
+    }
+    EXPECT_EQ(total, 2u * iters);
+    ExpectModelCount(total, 2);
+    const auto rounds = CheckAudit(c.sync == "bsp" ? 0 : 2);  // numbered 0, 1, ... once each
+    EXPECT_FALSE(rounds.empty());
+    // The journal says the job is over: a scheduler started on it again refuses.
+    Proc late({DSYNC_BINARY, "scheduler", "--resume", journal}, env2, dir_ / "late.log");
+    EXPECT_NE(late.Wait(20s), 0);
+    EXPECT_NE(late.Output().find("is over (finished): there is nothing to resume"),
+              std::string::npos)
+        << late.Output();
+    if (getenv("SHOWLOGS")) std::cerr << out << job.workers[0]->Output() << job.workers[1]->Output() << job.servers[0]->Output() << job.scheduler->Output();
+    if (HasFailure()) break;
+  }
+}
+
+// A scheduler that is not restarted within the reconnect grace: every server and worker
+// stops by itself, naming the grace.
+TEST_F(MultiProcess, ASchedulerRestartedTooLateStopsEveryNodeNamingTheGrace) {
+  RoleJob job(dir_, 1, 2, {"--iters", "100000", "--compute-ms", "5"},
+              {{"DSYNC_JOURNAL", (dir_ / "journal").string()}, {"DSYNC_RECONNECT_GRACE", "2"}});
+  ASSERT_TRUE(job.workers[1]->WaitForOutput("joined", 20s)) << job.workers[1]->Output();
+  std::this_thread::sleep_for(300ms);
+  const auto killed = std::chrono::steady_clock::now();
+  job.scheduler->Signal(SIGKILL);
+  std::vector<Proc*> nodes = {job.servers[0].get(), job.workers[0].get(), job.workers[1].get()};
+  for (Proc* p : nodes) {
+    const int status = p->Wait(30s);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << status << p->Output();
+    // Each says so, or that a node which stopped waiting for it went (whichever came first).
+    EXPECT_NE(p->Output().find("the reconnect grace of 2 s (--reconnect-grace)"),
+              std::string::npos)
+        << p->Output();
+  }
+  const auto took = std::chrono::steady_clock::now() - killed;
+  EXPECT_GE(took, 2s);
+  EXPECT_LT(took, 15s);
 }
 
 // A hung server (SIGSTOP) is detected within the heartbeat timeout: the job stops, saying

@@ -138,6 +138,13 @@ inline constexpr uint32_t kStopCheckpointSeconds = 20;
 // may still hold those of the rounds it trails).
 inline constexpr uint32_t kReplicaLagRounds = 4;
 
+// A node of a journaled job that lost its scheduler tries to reach it again (restarted from
+// its journal) until the reconnect grace is over: each attempt waits this long for the
+// connection and for the answer to its rejoin, and the next begins this long after a failed
+// connect.
+inline constexpr uint32_t kRejoinAttemptMs = 1000;
+inline constexpr uint32_t kRejoinRetryMs = 200;
+
 struct Config {
   Role role = Role::kWorker;
 
@@ -221,8 +228,19 @@ struct Config {
   std::string checkpoint_dir;
   uint64_t checkpoint_every = 0;
   bool checkpoint_every_seconds = false;
-  // Scheduler: start from the newest complete checkpoint under this directory.
+  // Scheduler: start from the newest complete checkpoint under this directory, or, given a
+  // journal file, continue the job that journal is of (a restarted scheduler).
   std::string resume;
+  // Scheduler: journal every decision to this file, written and fdatasync'd before it is
+  // sent, so that the scheduler can be restarted with --resume FILE (docs/contract.md).
+  std::string journal;
+  // Servers and workers of a journaled job: how long they wait for a lost scheduler to be
+  // restarted and take them back before they stop. The scheduler's value is the job's.
+  uint32_t reconnect_grace_ms = 30000;
+  // Tests of a restartable scheduler (DSYNC_TEST_CRASH_AFTER_ROUND): the scheduler's process
+  // ends at once, as if killed, when the journal holds round N on disk and nothing decided
+  // with it was sent yet: the worst moment for the nodes, which must get it all again.
+  std::optional<uint64_t> test_crash_after_round;
   // Server: at the end of the job, write a summary of every slice (version, min, max, sum)
   // as JSON to this directory (server-<id>.json).
   std::string dump_model;

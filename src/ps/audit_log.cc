@@ -1,5 +1,7 @@
 #include "ps/audit_log.h"
 
+#include <algorithm>
+#include <fstream>
 #include <iterator>
 
 #include <nlohmann/json.hpp>
@@ -10,9 +12,20 @@ AuditLog::~AuditLog() {
   if (file_) std::fclose(file_);
 }
 
-Status AuditLog::Open(const std::string& path) {
+Status AuditLog::Open(const std::string& path, bool append) {
   if (path.empty()) return Status::Ok();
-  file_ = std::fopen(path.c_str(), "w");
+  if (append) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("round") && j["round"].is_number_unsigned()) {
+        last_round_ = std::max(last_round_.value_or(0), j["round"].get<dsync::Round>());
+      }
+    }
+  }
+  // fwrite and fflush lock the stream (stdio is thread-safe): a restartable scheduler's
+  // rounds are written from the thread that sends them, the rest under its lock.
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
   if (!file_) return Error(StatusCode::kInvalidArgument, "cannot write the audit log '{}'", path);
   return Status::Ok();
 }

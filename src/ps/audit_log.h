@@ -20,9 +20,12 @@ class AuditLog {
   AuditLog(const AuditLog&) = delete;
   AuditLog& operator=(const AuditLog&) = delete;
 
-  // An empty path keeps no log.
-  Status Open(const std::string& path);
+  // An empty path keeps no log. `append`: a restarted scheduler's, which goes on with the
+  // log it kept before (last_round() says which round it ends with).
+  Status Open(const std::string& path, bool append = false);
   bool enabled() const { return file_ != nullptr; }
+  // The newest round of the log opened to append to, if it has any.
+  std::optional<dsync::Round> last_round() const { return last_round_; }
 
   // {"round":R,"live":L,"quorum":Q,"members":[[worker,clock,base,staleness],...]}, where a
   // member's staleness is R - base: how many rounds its gradient's model is behind, what the
@@ -43,6 +46,7 @@ class AuditLog {
  private:
   void Write(const fmt::memory_buffer& line);
   std::FILE* file_ = nullptr;
+  std::optional<dsync::Round> last_round_;
 };
 
 }  // namespace dsync::ps

@@ -82,6 +82,11 @@ std::string EncodeHello(const Hello& h) {
   json j = {{"role", RoleName(h.role)}, {"token", h.token}, {"node", h.node},
             {"host", h.host},           {"port", h.port},    {"observer", h.observer}};
   if (h.credential) j["credential"] = ToHex(*h.credential);
+  if (h.rejoin) {
+    j["rejoin"] = true;
+    j["rounds_received"] = h.rounds_received;
+    j["rounds_applied"] = h.rounds_applied;
+  }
   return j.dump();
 }
 
@@ -100,6 +105,15 @@ Result<Hello> DecodeHello(std::span<const std::byte> meta) {
     Tag t;
     DSYNC_RETURN_IF_ERROR(TagField(j, "credential", &t));
     h.credential = t;
+  }
+  if (j.contains("rejoin")) {
+    DSYNC_RETURN_IF_ERROR(Field(j, "rejoin", &h.rejoin));
+    DSYNC_RETURN_IF_ERROR(Field(j, "rounds_received", &h.rounds_received));
+    DSYNC_RETURN_IF_ERROR(Field(j, "rounds_applied", &h.rounds_applied));
+    if (h.rounds_applied > h.rounds_received) {
+      return Error(StatusCode::kProtocol, "hello: {} round(s) applied of {} received",
+                   h.rounds_applied, h.rounds_received);
+    }
   }
   return h;
 }
@@ -142,6 +156,7 @@ std::string EncodeWelcome(const Welcome& w) {
     j["lr"] = w.learning_rate->second;
   }
   if (w.checkpoints) j["checkpoints"] = true;
+  if (w.reconnect_grace_ms != 0) j["reconnect_grace_ms"] = w.reconnect_grace_ms;
   if (w.replicas != 1) j["replicas"] = w.replicas;
   if (!w.servers_lost.empty()) j["servers_lost"] = w.servers_lost;
   if (w.restore) {
@@ -220,6 +235,9 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
     w.learning_rate = std::make_pair(from, lr);
   }
   if (j.contains("checkpoints")) DSYNC_RETURN_IF_ERROR(Field(j, "checkpoints", &w.checkpoints));
+  if (j.contains("reconnect_grace_ms")) {
+    DSYNC_RETURN_IF_ERROR(Field(j, "reconnect_grace_ms", &w.reconnect_grace_ms));
+  }
   if (j.contains("replicas")) DSYNC_RETURN_IF_ERROR(Field(j, "replicas", &w.replicas));
   if (j.contains("servers_lost")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_lost", &w.servers_lost));
   const uint32_t servers_n = w.job_key ? w.num_servers : static_cast<uint32_t>(w.servers.size());

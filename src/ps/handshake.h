@@ -29,6 +29,12 @@ struct Hello {
   uint16_t port = 0;
   bool observer = false;  // a read-only client (Config::observer)
   std::optional<Tag> credential;  // worker/observer -> server: from its welcome
+  // To a scheduler restarted from its journal: node `node` comes back. A worker presents its
+  // credential, a server ServerProof(job key, its id, kSchedulerId); a server says how many
+  // rounds it has received, so that the scheduler sends it the rest.
+  bool rejoin = false;
+  Round rounds_received = 0;
+  Round rounds_applied = 0;
 };
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::span<const std::byte> meta);
@@ -79,6 +85,9 @@ struct Welcome {
   };
   std::optional<Restore> restore;
   bool checkpoints = false;  // servers: the job writes checkpoints (a stop waits for one)
+  // The scheduler journals its decisions: a node that loses it waits this long for it to be
+  // restarted from its journal and rejoins (0: the job cannot outlive its scheduler).
+  uint32_t reconnect_grace_ms = 0;
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

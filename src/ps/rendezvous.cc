@@ -94,4 +94,12 @@ Result<Config> FindScheduler(const Config& config) {
   }
 }
 
+Result<PeerId> ReconnectScheduler(Transport& transport, const Config& config,
+                                  uint32_t timeout_ms) {
+  std::string host = config.scheduler_host;
+  uint16_t port = config.scheduler_port;
+  if (!config.rendezvous.empty()) (void)ReadRendezvous(config.rendezvous, &host, &port);
+  return transport.Connect(host, port, timeout_ms);
+}
+
 }  // namespace dsync::ps

@@ -8,6 +8,7 @@
 
 #include "dsync/config.h"
 #include "dsync/status.h"
+#include "ps/transport.h"
 
 namespace dsync::ps {
 
@@ -20,5 +21,11 @@ void RemoveRendezvous(const std::string& path, const std::string& host, uint16_t
 // With config.rendezvous set: waits up to config.connect_timeout_ms for the file and returns
 // the configuration with the scheduler's host and port from it. Without: the configuration.
 Result<Config> FindScheduler(const Config& config);
+
+// A node that lost its scheduler connects to it again: at the address the rendezvous file
+// names now (a restarted scheduler may be on another host), else at the one it knew;
+// `timeout_ms` bounds the attempt.
+Result<PeerId> ReconnectScheduler(Transport& transport, const Config& config,
+                                  uint32_t timeout_ms);
 
 }  // namespace dsync::ps

@@ -268,6 +268,17 @@ std::vector<RoundRecord> RoundRule::CloseReady() {
   return out;
 }
 
+std::optional<RoundRecord> RoundRule::CloseNext() {
+  if (RoundMode()) {
+    if (!MayClose(open_round_)) return std::nullopt;
+    return CloseOne();
+  }
+  if (ready_.empty()) return std::nullopt;
+  RoundRecord r = std::move(ready_.front());
+  ready_.pop_front();
+  return r;
+}
+
 bool RoundRule::SspGateOpen(Clock clock) const {
   // A pull at `clock` must see every live worker's gradients of clocks < clock - K.
   const Clock needed = SaturatingSub(clock, mode_.bound);

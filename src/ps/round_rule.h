@@ -102,6 +102,9 @@ class RoundRule {
 
   // Closes every round that may close now, oldest first.
   std::vector<RoundRecord> CloseReady();
+  // Closes the oldest round that may close now, if any: CloseReady one round at a time, for a
+  // scheduler replaying its journal, which recorded the rounds one by one.
+  std::optional<RoundRecord> CloseNext();
   // ssp gates that opened since the last call.
   std::vector<GateRelease> TakeGateReleases();
 

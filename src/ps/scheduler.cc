@@ -16,14 +16,19 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+
+#include <nlohmann/json.hpp>
 
 #include "ps/audit_log.h"
 #include "ps/checkpoint.h"
@@ -36,6 +41,8 @@
 #include "ps/handshake.h"
 #include "ps/keys.h"
 #include "ps/round_rule.h"
+#include "ps/scheduler_journal.h"
+#include "ps/settings.h"
 #include "ps/scheduler_node.h"
 #include "ps/slicing.h"
 
@@ -63,15 +70,25 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     {
       std::lock_guard lock(mu_);
       stop_ = true;
+      flusher_stop_ = true;
       cv_.notify_all();
+      flush_cv_.notify_all();
     }
     if (monitor_.joinable()) monitor_.join();
+    if (flusher_.joinable()) flusher_.join();
     transport_->Shutdown();
   }
 
   Status Init() {
-    DSYNC_RETURN_IF_ERROR(audit_.Open(cfg_.audit_log));
-    if (!cfg_.resume.empty()) DSYNC_RETURN_IF_ERROR(Resume());
+    // A journal given to --resume: this scheduler continues that job (it was restarted).
+    const bool restarted = !cfg_.resume.empty() && IsJournal(cfg_.resume);
+    DSYNC_RETURN_IF_ERROR(audit_.Open(cfg_.audit_log, /*append=*/restarted));
+    if (restarted) {
+      DSYNC_RETURN_IF_ERROR(ResumeJournal());
+    } else {
+      if (!cfg_.resume.empty()) DSYNC_RETURN_IF_ERROR(Resume());
+      if (!cfg_.journal.empty()) DSYNC_RETURN_IF_ERROR(StartJournal());
+    }
     if (!cfg_.checkpoint_dir.empty()) {
       // Said now rather than when the first checkpoint is due.
       std::error_code ec;
@@ -102,6 +119,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    cfg_.rendezvous);
     }
     monitor_ = std::thread([this] { MonitorHeartbeats(); });
+    if (journal_.open()) flusher_ = std::thread([this] { FlushJournal(); });
     spdlog::info("scheduler listening on {}:{} (sync {}, staleness policy {}, {} server(s), {} "
                  "initial worker(s))",
                  listen_host.empty() ? "0.0.0.0" : listen_host, port_, rule_.mode().ToString(),
@@ -175,6 +193,32 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       cv_.wait_for(lock, std::chrono::seconds(5), [&] { return final_frames_in_flight_ == 0; });
     }
     Status result = stop_ && !finished_ ? stop_result_ : result_;
+    if (journal_.open() && !journal_failed_) {
+      // Nodes of a journaled job wait for a lost scheduler to come back: those still here are
+      // told the job is over instead. Servers of a job that ended well are shut down (again:
+      // it changes nothing), the others and the workers get the error.
+      JournalEnd(result);
+      if (!finished_ || !result.ok()) {
+        const Status why = result.ok() ? Error(StatusCode::kAborted, "the scheduler was stopped")
+                                       : result;
+        const FrameHeader about = MakeHeader(MsgType::kShutdown, kSchedulerId);
+        for (const auto& [id, w] : workers_) {
+          if (!w.away) SendErrorTracked(w.peer, why, about);
+        }
+        for (const ServerEntry& s : LiveServers()) {
+          if (s.away) continue;
+          if (result.ok()) {
+            SendTracked(s.peer, about);
+          } else {
+            SendErrorTracked(s.peer, why, about);
+          }
+        }
+      }
+      flush_cv_.notify_one();
+      cv_.wait_for(lock, std::chrono::seconds(5), [&] {
+        return !journal_.pending() && outbox_.empty() && !flushing_ && final_frames_in_flight_ == 0;
+      });
+    }
     lock.unlock();
     transport_->Shutdown();
     return result;
@@ -305,6 +349,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     SteadyClock::time_point last_seen;
     bool ready = false;  // it took its welcome and accepts clients
     bool lost = false;   // gone; its slices' other copies serve (Config::replicas)
+    bool away = false;   // a restarted scheduler waits for it to come back (peer: none yet)
+  };
+  // The answer to a worker's newest commit: sent again if the worker, which lost the
+  // scheduler before it came, sends that commit again.
+  struct CommitAnswer {
+    Clock clock = 0;
+    Round round = 0;
+    Version gate = 0;
   };
   struct WorkerEntry {
     PeerId peer;
@@ -313,13 +365,17 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     SteadyClock::time_point begun_at;
     uint64_t committed = 0;  // gradients it committed (empty commits included)
     std::string address;     // it connected from (the audit log)
+    bool away = false;       // a restarted scheduler waits for it to come back
+    std::optional<CommitAnswer> last_ack;
   };
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
     spdlog::warn("scheduler: refusing {} from {}: {}", MsgTypeName(about.msg_type()),
                  transport_->PeerAddress(peer), error.message());
     if (drop) doomed_.insert(peer);  // ignore it until it is gone
-    (void)SendError(*transport_, peer, kSchedulerId, error, about, /*close_after=*/drop);
+    Out([this, peer, error, about, drop] {
+      (void)SendError(*transport_, peer, kSchedulerId, error, about, /*close_after=*/drop);
+    });
   }
 
   void HandleHello(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
@@ -339,6 +395,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     // The token is what lets a node ask; from here on it is no stranger to the transport.
     transport_->Trust(peer);
+    if (hello->rejoin) {
+      HandleRejoin(peer, h, *hello);
+      return;
+    }
     if (hello->role == Role::kServer) {
       if (servers_.size() >= cfg_.num_servers) {
         Refuse(peer, h,
@@ -350,6 +410,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       const NodeId id = kFirstServerId + static_cast<NodeId>(servers_.size());
       servers_.push_back({id, peer, hello->host, hello->port, rule_.open_round(),
                           SteadyClock::now(), false});
+      if (journal_.open()) {
+        journal_.Add({{"k", "server"}, {"id", id}, {"host", hello->host}, {"port", hello->port}});
+      }
       peers_[peer] = {PeerKind::kServer, id};
       Welcome w = JobWelcome(id);
       w.job_key = job_key_;
@@ -373,7 +436,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = h.request;
-      (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
+      Send(peer, ack, AsBytes(EncodeWelcome(w)));
       last_arrival_ = SteadyClock::now();
       spdlog::info("scheduler: server {} registered at {}:{} ({}/{})", id, hello->host,
                    hello->port, servers_.size(), cfg_.num_servers);
@@ -408,6 +471,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.num_servers = cfg_.num_servers;
     w.replicas = cfg_.replicas;
     w.learning_rate = learning_rate_;
+    w.reconnect_grace_ms = cfg_.journal.empty() ? 0 : cfg_.reconnect_grace_ms;
     return w;
   }
 
@@ -415,6 +479,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   Welcome ClientWelcome(NodeId id, bool observer) const {
     Welcome w = JobWelcome(id);
     w.observer = observer;
+    if (observer) w.reconnect_grace_ms = 0;  // observers do not rejoin: they join again
     w.credential = ClientCredential(job_key_, id, observer);
     w.servers_lost = servers_lost_;
     for (const ServerEntry& s : servers_) {
@@ -429,12 +494,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (waiting_.empty() && waiting_observers_.empty()) return;
     const std::string why = WaitingFor();
     FrameHeader h = MakeHeader(MsgType::kPending, kSchedulerId);
-    for (const auto& [id, peer] : waiting_) {
-      (void)transport_->Send(peer, h, AsBytes(why), nullptr, 0);
-    }
-    for (const WaitingObserver& o : waiting_observers_) {
-      (void)transport_->Send(o.peer, h, AsBytes(why), nullptr, 0);
-    }
+    for (const auto& [id, peer] : waiting_) Send(peer, h, AsBytes(why));
+    for (const WaitingObserver& o : waiting_observers_) Send(o.peer, h, AsBytes(why));
   }
 
   // What the job's start waits for.
@@ -443,6 +504,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return fmt::format("waiting for {} more server(s) to register ({} of {})",
                          cfg_.num_servers - servers_.size(), servers_.size(), cfg_.num_servers);
     }
+    if (rejoin_deadline_) return "waiting for the job's nodes to come back to its restarted scheduler";
     if (!ServersReady()) return "waiting for the servers to take their slices";
     return fmt::format("waiting for {} more of the job's {} initial worker(s)",
                        cfg_.num_workers - std::min<size_t>(cfg_.num_workers, waiting_.size()),
@@ -452,7 +514,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // Workers are admitted once every server is up; the first num_workers together, so that
   // they all count from round 0 (a reproducible start); later ones join the running job.
   bool ServersReady() const {
-    return servers_.size() == cfg_.num_servers &&
+    return servers_.size() == cfg_.num_servers && !rejoin_deadline_ &&
            std::all_of(servers_.begin(), servers_.end(),
                        [](const ServerEntry& s) { return s.ready; });
   }
@@ -464,7 +526,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       Welcome w = ClientWelcome(o.id, /*observer=*/true);
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = o.request;
-      (void)transport_->Send(o.peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
+      Send(o.peer, ack, AsBytes(EncodeWelcome(w)));
       observers_[o.id] = o.peer;
       spdlog::info("scheduler: observer {} connected from {}", o.id,
                    transport_->PeerAddress(o.peer));
@@ -491,8 +553,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       w.gate = admission->gate;
       FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
       ack.request = about.request;
-      (void)transport_->Send(peer, ack, AsBytes(EncodeWelcome(w)), nullptr, 0);
-      workers_[id] = {peer, SteadyClock::now(), ~Clock{0}, {}, 0, transport_->PeerAddress(peer)};
+      WorkerEntry& entry = workers_[id];
+      entry.peer = peer;
+      entry.last_seen = SteadyClock::now();
+      entry.address = transport_->PeerAddress(peer);
+      if (journal_.open()) {
+        journal_.Add({{"k", "join"}, {"w", id}, {"initial", initial},
+                      {"address", workers_[id].address}});
+      }
+      Send(peer, ack, AsBytes(EncodeWelcome(w)));
       placed_next_clock_[id] = admission->start_clock;
       if (policy_) {
         policy_->Join(id);
@@ -536,6 +605,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         }
         wit->second.begun_clock = h.clock();
         wit->second.begun_at = wit->second.last_seen;
+        if (journal_.open()) {
+          journal_.Add({{"k", "begin"}, {"w", id}, {"c", h.clock()}, {"b", h.base()}});
+        }
         Progress();
         return;
       }
@@ -563,6 +635,20 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void HandleCommit(PeerId peer, WorkerId id, WorkerEntry& entry, const FrameHeader& h,
                     std::span<const std::byte> meta) {
     const bool empty = (h.flags & kFlagEmpty) != 0;
+    if (restarted_ && entry.last_ack && entry.last_ack->clock == h.clock()) {
+      // Sent again by a worker that lost the scheduler before the answer came: the restarted
+      // scheduler has it from the journal, and answers as the lost one did.
+      FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
+      ack.request = h.request;
+      ack.set_round(entry.last_ack->round);
+      ack.set_min_version(entry.last_ack->gate);
+      if (budget_spent_) ack.flags |= kFlagStop;
+      Send(peer, ack);
+      spdlog::info("scheduler: worker {} sent its commit of clock {} again (the lost "
+                   "scheduler's answer did not reach it); answered as before",
+                   id, h.clock());
+      return;
+    }
     CommitProof& proof = commit_scratch_;
     Status proved = DecodeCommit(meta, proof);
     if (proved.ok() && h.losses() > servers_lost_.size()) {
@@ -596,9 +682,16 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     ++entry.committed;
+    entry.last_ack = CommitAnswer{h.clock(), r->round, r->gate.value_or(kNoGate)};
     // Commits are placed in clock order and rounds take each worker's oldest: a FIFO per
     // worker pairs every round member with its tensors.
     pending_tensors_[id].push_back({h.clock(), TensorsOf(proof)});
+    if (journal_.open()) {
+      nlohmann::json runs = nlohmann::json::array();
+      for (const TensorRange& t : pending_tensors_[id].back().second) runs.push_back({t.first, t.count});
+      journal_.Add({{"k", "commit"}, {"w", id}, {"c", h.clock()}, {"b", h.base()},
+                    {"e", empty}, {"t", std::move(runs)}});
+    }
     FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
     ack.request = h.request;
     ack.set_round(r->round);
@@ -613,7 +706,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       ack.flags |= kFlagStop;
     }
-    (void)SendControl(*transport_, peer, ack);
+    Send(peer, ack);
     Progress();
   }
 
@@ -631,9 +724,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader to_server = MakeHeader(MsgType::kLearningRate, kSchedulerId);
     to_server.set_round(from);
     EncodeLearningRate(*lr, meta_buf_);
-    for (const ServerEntry& s : LiveServers()) {
-      (void)transport_->Send(s.peer, to_server, meta_buf_, nullptr, 0);
-    }
+    if (journal_.open()) journal_.Add({{"k", "lr"}, {"from", from}, {"rate", *lr}});
+    if (!cfg_.journal.empty()) lr_changes_[from] = *lr;
+    for (const ServerEntry& s : LiveServers()) Send(s.peer, to_server, meta_buf_);
     learning_rate_ = std::make_pair(from, *lr);
     audit_.LearningRate(from, *lr, id);
     spdlog::info("scheduler: worker {} set the learning rate to {} from round {}", id, *lr,
@@ -641,7 +734,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader ack = MakeHeader(MsgType::kSetLearningRateAck, kSchedulerId);
     ack.request = h.request;
     ack.set_round(from);
-    (void)SendControl(*transport_, peer, ack);
+    Send(peer, ack);
   }
 
   // A worker whose request the scheduler refuses cannot go on with its clocks: it is told
@@ -668,6 +761,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         for (ServerEntry& s : servers_) {
           if (s.id == id) s.ready = true;
         }
+        if (journal_.open()) journal_.Add({{"k", "ready"}, {"id", id}});
         last_arrival_ = SteadyClock::now();
         AdmitWaiting();
         return;
@@ -790,24 +884,27 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     DropServer(s, what);
     servers_lost_.push_back(id);
     left_out_.push_back(std::move(lost));
+    if (journal_.open()) journal_.Add({{"k", "lost"}, {"id", id}});
     FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
     gone.set_gone_server(id);
     gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
     // Told too (a stopped process reads it when it runs again, and stops without an error),
     // then dropped once the frame has left.
     const PeerId peer = s.peer;
-    if (!transport_->Send(peer, gone, {}, nullptr, 0,
-                          [this, peer](const Status&) { transport_->Close(peer); })
-             .ok()) {
-      transport_->Close(peer);
-    }
+    Out([this, peer, gone] {
+      if (!transport_->Send(peer, gone, {}, nullptr, 0,
+                            [this, peer](const Status&) { transport_->Close(peer); })
+               .ok()) {
+        transport_->Close(peer);
+      }
+    });
     ++counters_.servers_lost;
     spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
                  "on with {} of {} server(s)",
                  id, what, servers_.size() - servers_lost_.size(), servers_.size());
-    for (const auto& [w, entry] : workers_) (void)SendControl(*transport_, entry.peer, gone);
-    for (const auto& [o, client] : observers_) (void)SendControl(*transport_, client, gone);
-    for (const ServerEntry& live : LiveServers()) (void)SendControl(*transport_, live.peer, gone);
+    for (const auto& [w, entry] : workers_) Send(entry.peer, gone);
+    for (const auto& [o, client] : observers_) Send(client, gone);
+    for (const ServerEntry& live : LiveServers()) Send(live.peer, gone);
     // A checkpoint in flight goes on without its file: the other servers write copies of
     // every slice it held (they apply the same rounds).
     if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
@@ -828,7 +925,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // when no server is left to write it.
   void SalvageWithout(ServerEntry& s, const std::string& what) {
     DropServer(s, what);
-    transport_->Close(s.peer);
+    CloseLater(s.peer);
     if (std::none_of(servers_.begin(), servers_.end(),
                      [](const ServerEntry& o) { return !o.lost && o.ready; })) {
       EndStopping(Error(salvage_.code(), "{}; no checkpoint of the surviving slices: server {} {}, "
@@ -843,6 +940,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   void RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close = true) {
     auto next = rule_.Remove(id, failed);
     if (!next.ok()) return;
+    if (journal_.open()) journal_.Add({{"k", "leave"}, {"w", id}, {"failed", failed}});
+    gone_workers_[id] = *next;
+    last_gate_.erase(id);
     uint64_t committed = 0;
     std::string address;
     if (auto wit = workers_.find(id); wit != workers_.end()) {
@@ -868,9 +968,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader gone = MakeHeader(MsgType::kWorkerGone, kSchedulerId);
     gone.set_gone_worker(id);
     gone.set_next_clock(*next);
-    for (const ServerEntry& s : LiveServers()) (void)SendControl(*transport_, s.peer, gone);
+    for (const ServerEntry& s : LiveServers()) Send(s.peer, gone);
     if (auto wit = workers_.find(id); wit != workers_.end()) {
-      if (failed && close) transport_->Close(wit->second.peer);
+      if (failed && close) CloseLater(wit->second.peer);
       workers_.erase(wit);
     }
     Progress();
@@ -892,6 +992,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
     }
     (void)rule_.SetQuorum(applied_.quorum);
+    if (journal_.open()) {
+      nlohmann::json a = nlohmann::json::array();
+      for (const auto& [id, allowance] : applied_.allowance) a.push_back({id, allowance});
+      journal_.Add({{"k", "auto"}, {"q", applied_.quorum}, {"a", std::move(a)}});
+    }
     const std::string& why = payoff_->reason();
     spdlog::info("scheduler: dsync:auto from round {}: {}{}{}", rule_.open_round(),
                  policy_->Describe(applied_), why.empty() ? "" : ": ", why);
@@ -932,25 +1037,20 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (finished_ || stop_) return;  // the job ended: nothing more goes out
     for (RoundRecord& rec :
          ReplicaLagging() ? std::vector<RoundRecord>{} : rule_.CloseReady()) {
-      round_entries_.clear();
-      for (const RoundMember& m : rec.members) round_entries_.push_back({m, TakeTensors(m)});
-      EncodeRound(round_entries_, meta_buf_);
+      if (journal_.open()) {
+        nlohmann::json m = nlohmann::json::array();
+        for (const RoundMember& x : rec.members) m.push_back({x.worker, x.clock});
+        journal_.Add({{"k", "round"}, {"r", rec.round}, {"m", std::move(m)}});
+        if (cfg_.test_crash_after_round == rec.round) crash_after_write_ = true;
+      }
+      PlaceRound(rec, /*audit=*/true);
       FrameHeader h = MakeHeader(MsgType::kRound, kSchedulerId);
       h.set_round(rec.round);
-      for (const ServerEntry& s : LiveServers()) {
-        (void)transport_->Send(s.peer, h, meta_buf_, nullptr, 0);
-      }
-      audit_.Round(rec);
-      gradients_in_rounds_ += rec.members.size();
-      for (const RoundMember& m : rec.members) {
-        Clock& next = placed_next_clock_[m.worker];
-        next = std::max(next, m.clock + 1);
-      }
+      for (const ServerEntry& s : LiveServers()) Send(s.peer, h, meta_buf_);
       if (payoff_) {
         payoff_->RoundClosed(
             std::chrono::duration<double>(SteadyClock::now().time_since_epoch()).count(), rec);
       }
-      rounds_announced_ = rec.round + 1;
       history_.push_back(std::move(rec));
       if (history_.size() > kMaxHistory) history_.pop_front();
       if (!stopping_ && checkpoints_.Due(rounds_announced_, SteadyClock::now())) BeginCheckpoint();
@@ -961,7 +1061,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       FrameHeader h = MakeHeader(MsgType::kGate, kSchedulerId);
       h.set_clock(g.clock);
       h.set_min_version(g.min_version);
-      (void)SendControl(*transport_, wit->second.peer, h);
+      last_gate_[g.worker] = g;
+      Send(wit->second.peer, h);
     }
     CheckFinished();
   }
@@ -987,9 +1088,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // one that fell on it).
     if (checkpoints_.enabled() && !checkpoints_.last_result().ok()) {
       // Training is done, but what the user asked to keep of it is not: say so loudly.
-      FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-      for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
-      Finish(checkpoints_.last_result().WithContext("the job's final checkpoint"));
+      const Status why = checkpoints_.last_result().WithContext("the job's final checkpoint");
+      ShutDownServers(why);
+      Finish(why);
       return;
     }
     // Observers get to read the final model before the servers go: they are told the final
@@ -1000,7 +1101,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         observers_deadline_ = SteadyClock::now() + kObserverGrace;
         FrameHeader done = MakeHeader(MsgType::kShutdown, kSchedulerId);
         done.set_final_version(rule_.open_round());
-        for (const auto& [id, peer] : observers_) (void)SendControl(*transport_, peer, done);
+        for (const auto& [id, peer] : observers_) Send(peer, done);
         spdlog::info("scheduler: training is over at version {}; waiting for {} observer(s) to "
                      "read the final model",
                      rule_.open_round(), observers_.size());
@@ -1011,8 +1112,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     spdlog::info("scheduler: every worker is gone and all {} round(s) are applied; ending the job",
                  rule_.open_round());
-    FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-    for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
+    ShutDownServers(Status::Ok());
     Finish(Status::Ok());
   }
 
@@ -1057,6 +1157,19 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     EndStopping(Status::Ok());
   }
 
+  // The servers are told the job is over (`why`: how it ended), after the journal says so: a
+  // scheduler started on the journal again refuses to continue a job whose servers are gone.
+  void ShutDownServers(const Status& why) {
+    JournalEnd(why);
+    FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
+    for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
+  }
+  void JournalEnd(const Status& why) {
+    if (!journal_.open() || end_journaled_) return;
+    end_journaled_ = true;
+    journal_.Add({{"k", "end"}, {"why", why.ok() ? std::string("finished") : why.message()}});
+  }
+
   // The servers are told the job is over; the scheduler stops, with `why` as its result.
   void EndStopping(Status why) {
     if (!why.ok()) {
@@ -1064,8 +1177,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       TellFailure(why);
     }
     stop_result_ = std::move(why);
-    FrameHeader h = MakeHeader(MsgType::kShutdown, kSchedulerId);
-    for (const ServerEntry& s : LiveServers()) SendTracked(s.peer, h);
+    ShutDownServers(stop_result_);
     stop_ = true;
     cv_.notify_all();
   }
@@ -1091,6 +1203,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         (void)checkpoints_.Lost(ServerRank(s.id));  // its slices' copies are in the others
         continue;
       }
+      if (s.away) {
+        (void)checkpoints_.Reported(ServerRank(s.id), version,
+                                    Error(StatusCode::kUnavailable, "server {} is not back yet", s.id));
+        continue;
+      }
+      if (journal_.open()) {
+        Send(s.peer, h, AsBytes(dir));  // a send that fails ends the connection: reported then
+        continue;
+      }
       Status st = transport_->Send(s.peer, h, AsBytes(dir), nullptr, 0);
       if (!st.ok()) (void)checkpoints_.Reported(ServerRank(s.id), version, st);
     }
@@ -1108,15 +1229,536 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     return low.value_or(high.value_or(rounds_announced_));
   }
 
+  // --- the journal (Config::journal, ps/scheduler_journal.h) ----------------------------
+
+  // Runs `send` now, or, with a journal, on the flusher thread once every record added before
+  // it is written and fdatasync'd: no node hears of a decision that a restarted scheduler
+  // would not know. Sends keep their order either way.
+  template <typename F>
+  void Out(F&& send) {
+    if (!journal_.open()) {
+      send();
+      return;
+    }
+    outbox_.emplace_back(std::forward<F>(send));
+    flush_cv_.notify_one();
+  }
+  void Send(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta = {}) {
+    if (!journal_.open()) {
+      (void)transport_->Send(peer, h, meta, nullptr, 0);
+      return;
+    }
+    Out([this, peer, h, copy = std::vector<std::byte>(meta.begin(), meta.end())] {
+      (void)transport_->Send(peer, h, copy, nullptr, 0);
+    });
+  }
+  void CloseLater(PeerId peer) {
+    Out([this, peer] { transport_->Close(peer); });
+  }
+  void AuditRound(const RoundRecord& rec) {
+    if (!journal_.open()) {
+      audit_.Round(rec);
+      return;
+    }
+    Out([this, rec] { audit_.Round(rec); });  // never a round the journal may not hold
+  }
+
+  // The flusher: writes what was journaled, makes it durable, then sends what waited for it.
+  // One fdatasync covers every record added meanwhile (group commit).
+  void FlushJournal() {
+    std::vector<char> bytes;
+    std::vector<std::function<void()>> sends;
+    std::unique_lock lock(mu_);
+    for (;;) {
+      flush_cv_.wait(lock, [&] { return flusher_stop_ || journal_.pending() || !outbox_.empty(); });
+      if (!journal_.pending() && outbox_.empty()) return;  // stopping, and nothing is left
+      journal_.Take(bytes);
+      sends.swap(outbox_);
+      flushing_ = true;
+      const bool write = !journal_failed_;
+      const bool crash = std::exchange(crash_after_write_, false);
+      lock.unlock();
+      const Status st = write ? journal_.WriteDurably(bytes) : Status::Ok();
+      if (!write) sends.clear();  // decided after the journal failed: never sent
+      if (crash && st.ok()) {
+        spdlog::warn("scheduler: round {} is journaled; ending this process before anything "
+                     "decided with it is sent (DSYNC_TEST_CRASH_AFTER_ROUND)",
+                     *cfg_.test_crash_after_round);
+        spdlog::default_logger()->flush();
+        std::_Exit(137);
+      }
+      if (st.ok()) {
+        for (auto& send : sends) send();
+      }
+      sends.clear();
+      lock.lock();
+      flushing_ = false;
+      if (!st.ok()) {
+        // What was not written is never sent, nor anything decided after: the journal stays
+        // what the nodes were told, so a scheduler started on it can still continue the job.
+        journal_failed_ = true;
+        Finish(st.WithContext("the job stops: its scheduler cannot keep the journal it would "
+                              "be restarted from (start it again with --resume once the disk "
+                              "is writable)"));
+      }
+      if (journal_failed_) final_frames_in_flight_ = 0;  // nothing more leaves
+      cv_.notify_all();
+    }
+  }
+
+  // The job's settings (those the scheduler hands to every node) and where it started from.
+  nlohmann::json JobRecord() const {
+    nlohmann::json settings = nlohmann::json::object();
+    for (const Setting& st : Settings()) {
+      if (JournaledSetting(st)) settings[std::string(st.env)] = st.get(cfg_);
+    }
+    nlohmann::json j = {{"k", "job"},
+                        {"format", 1},
+                        {"key", ToHex(job_key_)},
+                        {"settings", settings},
+                        {"start_version", rounds_announced_},
+                        {"start_clock", resumed_ ? resumed_->manifest.clock : Clock{0}},
+                        {"prior_gradients", prior_gradients_}};
+    if (learning_rate_) j["lr"] = {learning_rate_->first, learning_rate_->second};
+    if (resumed_) j["resumed_from"] = resumed_->path;
+    return j;
+  }
+  static bool JournaledSetting(const Setting& st) {
+    if (st.scope != SettingScope::kJob && st.scope != SettingScope::kCluster) return false;
+    return st.env != "DSYNC_RESUME" && st.env != "DSYNC_JOURNAL" &&
+           st.env != "DSYNC_RECONNECT_GRACE" && st.env != "DSYNC_AUDIT_LOG" &&
+           st.env != "DSYNC_TEST_CRASH_AFTER_ROUND";
+  }
+
+  Status StartJournal() {
+    DSYNC_ASSIGN_OR_RETURN(journal_, JournalFile::Create(cfg_.journal));
+    journal_.Add(JobRecord());
+    std::vector<char> bytes;
+    journal_.Take(bytes);
+    DSYNC_RETURN_IF_ERROR(journal_.WriteDurably(bytes));
+    spdlog::info("scheduler: journaling every decision to {}; if this scheduler is lost, start "
+                 "it again with --resume {}: the nodes wait {} s for it",
+                 cfg_.journal, cfg_.journal, cfg_.reconnect_grace_ms / 1000);
+    return Status::Ok();
+  }
+
+  // --resume JOURNAL: this scheduler continues the job of a scheduler that was lost. Every
+  // record is replayed through the same rule, which decides the same rounds again (each is
+  // checked against the journal); then the job's servers and workers have the reconnect grace
+  // to come back, and whoever does not is handled as a node lost then.
+  Status ResumeJournal() {
+    if (!cfg_.journal.empty() && cfg_.journal != cfg_.resume) {
+      return Error(StatusCode::kInvalidArgument,
+                   "--journal {} with --resume {}: a restarted scheduler goes on writing the "
+                   "journal it resumes from; leave --journal out",
+                   cfg_.journal, cfg_.resume);
+    }
+    DSYNC_ASSIGN_OR_RETURN(JournalContents read, ReadJournal(cfg_.resume));
+    cfg_.journal = cfg_.resume;  // replayed rounds are kept for servers that missed them
+    if (read.torn_bytes > 0) {
+      spdlog::warn("scheduler: --resume {}: cut off the last {} byte(s), a record the lost "
+                   "scheduler was writing when it stopped (nothing it sent depended on it)",
+                   cfg_.resume, read.torn_bytes);
+    }
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < read.records.size(); ++i) {
+      Status st;
+      try {
+        st = Replay(read.records[i], i == 0);
+      } catch (const nlohmann::json::exception& e) {
+        st = Error(StatusCode::kDataLoss, "a field is missing or malformed: {}", e.what());
+      }
+      if (!st.ok()) {
+        return st.WithContext(fmt::format("--resume {}: record {}", cfg_.resume, i));
+      }
+    }
+    if (read.records.empty()) {
+      return Error(StatusCode::kDataLoss, "--resume {}: the journal holds no job", cfg_.resume);
+    }
+    for (const GateRelease& g : rule_.TakeGateReleases()) last_gate_[g.worker] = g;
+    if (servers_.size() < cfg_.num_servers && !resume_unreadable_.ok()) {
+      return resume_unreadable_.WithContext(fmt::format(
+          "--resume {}: servers still to register load the checkpoint the job started from",
+          cfg_.resume));
+    }
+    budget_spent_ = cfg_.max_gradients != 0 &&
+                    prior_gradients_ + rule_.stats().gradients_committed >= cfg_.max_gradients;
+    DSYNC_ASSIGN_OR_RETURN(journal_, JournalFile::Continue(cfg_.resume, read));
+    journal_.Add({{"k", "restarted"}, {"round", rounds_announced_}});
+    restarted_ = true;
+    const auto now = SteadyClock::now();
+    rejoin_deadline_ = now + std::chrono::milliseconds(cfg_.reconnect_grace_ms);
+    size_t servers = 0;
+    for (ServerEntry& s : servers_) {
+      s.last_seen = now;
+      if (!s.lost) {
+        s.away = true;
+        ++servers;
+      }
+    }
+    for (auto& [id, w] : workers_) {
+      w.away = true;
+      w.last_seen = now;
+    }
+    checkpoints_ = CheckpointCoordinator(cfg_, rounds_announced_);
+    last_arrival_ = now;
+    if (!Away()) rejoin_deadline_.reset();  // nobody to wait for (the job had not formed)
+    spdlog::info("scheduler: continuing the job of {} at round {} ({} gradient(s) in its "
+                 "rounds); waiting up to {} s for its {} server(s) and {} worker(s) to come back",
+                 cfg_.resume, rounds_announced_, prior_gradients_ + gradients_in_rounds_,
+                 cfg_.reconnect_grace_ms / 1000, servers, workers_.size());
+    return Status::Ok();
+  }
+
+  // One journal record, replayed under mu_ as the live handlers did it, sending nothing.
+  Status Replay(const nlohmann::json& r, bool first) {
+    const std::string kind = r.at("k").get<std::string>();
+    if (first != (kind == "job")) {
+      return Error(StatusCode::kDataLoss, "a journal starts with its job record, and only there");
+    }
+    const auto now = SteadyClock::now();
+    if (kind == "job") return ReplayJob(r);
+    if (kind == "server") {
+      const NodeId id = r.at("id").get<NodeId>();
+      if (id != kFirstServerId + servers_.size() || servers_.size() >= cfg_.num_servers) {
+        return Error(StatusCode::kDataLoss, "server {} registered out of order", id);
+      }
+      servers_.push_back({id, kNoPeer, r.at("host").get<std::string>(),
+                          r.at("port").get<uint16_t>(), rule_.open_round(), now, false});
+      return Status::Ok();
+    }
+    if (kind == "ready") {
+      DSYNC_ASSIGN_OR_RETURN(ServerEntry * s, JournaledServer(r.at("id").get<NodeId>()));
+      s->ready = true;
+      return Status::Ok();
+    }
+    if (kind == "join") {
+      const WorkerId id = r.at("w").get<WorkerId>();
+      const bool initial = r.at("initial").get<bool>();
+      DSYNC_ASSIGN_OR_RETURN(Admission a, rule_.Join(id, initial));
+      started_ = true;
+      next_worker_id_ = std::max(next_worker_id_, id + 1);
+      WorkerEntry& w = workers_[id];
+      w.peer = kNoPeer;
+      w.last_seen = now;
+      w.address = r.value("address", std::string());
+      placed_next_clock_[id] = a.start_clock;
+      if (policy_) {
+        policy_->Join(id);
+        payoff_->MembershipChanged();
+      }
+      ++counters_.workers_joined;
+      return Status::Ok();
+    }
+    if (kind == "begin") {
+      return rule_.Begin(r.at("w").get<WorkerId>(), r.at("c").get<Clock>(), r.at("b").get<Version>());
+    }
+    if (kind == "commit") {
+      const WorkerId id = r.at("w").get<WorkerId>();
+      const Clock clock = r.at("c").get<Clock>();
+      auto wit = workers_.find(id);
+      if (wit == workers_.end()) return Error(StatusCode::kDataLoss, "a commit of unknown worker {}", id);
+      DSYNC_ASSIGN_OR_RETURN(CommitResult res, rule_.Commit(id, clock, r.at("b").get<Version>(),
+                                                            r.at("e").get<bool>()));
+      TensorSet tensors;
+      for (const auto& run : r.at("t")) tensors.push_back({run.at(0).get<TensorId>(), run.at(1).get<uint32_t>()});
+      pending_tensors_[id].push_back({clock, std::move(tensors)});
+      ++wit->second.committed;
+      wit->second.last_ack = CommitAnswer{clock, res.round, res.gate.value_or(kNoGate)};
+      return Status::Ok();
+    }
+    if (kind == "auto") {
+      AutoDecision d;
+      d.quorum = r.at("q").get<uint32_t>();
+      for (const auto& a : r.at("a")) d.allowance[a.at(0).get<WorkerId>()] = a.at(1).get<uint32_t>();
+      applied_ = d;
+      for (const auto& [id, allowance] : applied_.allowance) {
+        if (rule_.is_live(id)) DSYNC_RETURN_IF_ERROR(rule_.SetAllowance(id, allowance));
+      }
+      return rule_.SetQuorum(applied_.quorum);
+    }
+    if (kind == "round") {
+      std::optional<RoundRecord> rec = rule_.CloseNext();
+      std::vector<std::pair<WorkerId, Clock>> replayed, journaled;
+      if (rec) {
+        for (const RoundMember& m : rec->members) replayed.emplace_back(m.worker, m.clock);
+      }
+      for (const auto& m : r.at("m")) journaled.emplace_back(m.at(0).get<WorkerId>(), m.at(1).get<Clock>());
+      if (!rec || rec->round != r.at("r").get<Round>() || replayed != journaled) {
+        return Error(StatusCode::kDataLoss,
+                     "round {} replays as {} where the journal has it with {} member(s): the "
+                     "journal is not this build's, or damaged",
+                     r.at("r").get<Round>(), rec ? fmt::format("round {} with {} member(s)", rec->round, replayed.size()) : "no round",
+                     journaled.size());
+      }
+      const bool audit = !audit_.last_round() || rec->round > *audit_.last_round();
+      PlaceRound(*rec, audit);
+      return Status::Ok();
+    }
+    if (kind == "leave") {
+      const WorkerId id = r.at("w").get<WorkerId>();
+      DSYNC_ASSIGN_OR_RETURN(Clock next, rule_.Remove(id, r.at("failed").get<bool>()));
+      gone_workers_[id] = next;
+      workers_.erase(id);
+      last_gate_.erase(id);
+      if (policy_) {
+        policy_->Leave(id);
+        payoff_->MembershipChanged();
+      }
+      ++(r.at("failed").get<bool>() ? counters_.workers_failed : counters_.workers_left);
+      return Status::Ok();
+    }
+    if (kind == "lost") {
+      DSYNC_ASSIGN_OR_RETURN(ServerEntry * s, JournaledServer(r.at("id").get<NodeId>()));
+      std::vector<bool> lost = left_out_.back();
+      lost[ServerRank(s->id)] = true;
+      s->lost = true;
+      servers_lost_.push_back(s->id);
+      left_out_.push_back(std::move(lost));
+      ++counters_.servers_lost;
+      return Status::Ok();
+    }
+    if (kind == "lr") {
+      learning_rate_ = std::make_pair(r.at("from").get<Round>(), r.at("rate").get<float>());
+      lr_changes_[learning_rate_->first] = learning_rate_->second;
+      return Status::Ok();
+    }
+    if (kind == "restarted") return Status::Ok();
+    if (kind == "end") {
+      return Error(StatusCode::kFailedPrecondition,
+                   "the job of this journal is over ({}): there is nothing to resume; resume "
+                   "from its checkpoints (--resume DIR) to train on",
+                   r.at("why").get<std::string>());
+    }
+    return Error(StatusCode::kDataLoss, "unknown record '{}'", kind);
+  }
+
+  ServerEntry* FindServer(NodeId id) {
+    const uint32_t rank = ServerRank(id);
+    return rank < servers_.size() ? &servers_[rank] : nullptr;
+  }
+  Result<ServerEntry*> JournaledServer(NodeId id) {
+    ServerEntry* s = FindServer(id);
+    if (s == nullptr) return Error(StatusCode::kDataLoss, "server {} never registered", id);
+    return s;
+  }
+
+  // The job record: the job's settings replace this scheduler's (a restarted scheduler runs
+  // the job it continues, whatever its command line says), and the job's key is the one its
+  // nodes hold.
+  Status ReplayJob(const nlohmann::json& r) {
+    if (r.at("format").get<int>() != 1) {
+      return Error(StatusCode::kDataLoss, "journal format {} is not this build's (1)",
+                   r.at("format").get<int>());
+    }
+    auto key = JobKeyFromHex(r.at("key").get<std::string>());
+    if (!key) return Error(StatusCode::kDataLoss, "the job key is malformed");
+    job_key_ = *key;
+    const nlohmann::json& settings = r.at("settings");
+    const Config defaults;
+    for (const Setting& st : Settings()) {
+      if (!JournaledSetting(st)) continue;
+      // Not in the record: the job ran with the default (an older journal's, or unset).
+      const std::string text = settings.value(std::string(st.env), st.get(defaults));
+      if (st.get(cfg_) == text) continue;
+      if (st.get(cfg_) != st.get(defaults)) {
+        spdlog::warn("scheduler: {} {} is not the job's: the job of the journal runs with '{}'",
+                     st.flags, st.get(cfg_), text);
+      }
+      DSYNC_RETURN_IF_ERROR(ApplySetting(st, cfg_, text, st.env));
+    }
+    DSYNC_RETURN_IF_ERROR(cfg_.Validate());
+    rule_ = RoundRule(cfg_.sync);
+    policy_.reset();
+    payoff_.reset();
+    if (cfg_.sync.adaptive) {
+      AutoPolicyOptions o;
+      o.max_bound = cfg_.sync.bound;
+      policy_.emplace(o);
+      payoff_.emplace(DelayPayoffOptions{});
+    }
+    left_out_ = {std::vector<bool>(cfg_.num_servers, false)};
+    const Round start = r.at("start_version").get<Round>();
+    if (start > 0) DSYNC_RETURN_IF_ERROR(rule_.StartAt(start, r.at("start_clock").get<Clock>()));
+    rounds_announced_ = start;
+    prior_gradients_ = r.at("prior_gradients").get<uint64_t>();
+    if (r.contains("lr")) {
+      learning_rate_ = std::make_pair(r["lr"].at(0).get<Round>(), r["lr"].at(1).get<float>());
+      lr_changes_[learning_rate_->first] = learning_rate_->second;
+    }
+    if (r.contains("resumed_from")) {
+      // Servers that register after the restart load their slices from it.
+      const std::string path = r["resumed_from"].get<std::string>();
+      auto m = ReadCheckpoint(path);
+      if (m.ok()) {
+        resumed_ = FoundCheckpoint{path, std::move(m).value()};
+      } else {
+        resume_unreadable_ = m.status();
+      }
+    }
+    return Status::Ok();
+  }
+
+  // A closed round's bookkeeping, live and in replay: its members' tensors, its metadata
+  // (meta_buf_, kept for servers that rejoin having missed it), the counts, the history.
+  void PlaceRound(RoundRecord& rec, bool audit) {
+    round_entries_.clear();
+    for (const RoundMember& m : rec.members) round_entries_.push_back({m, TakeTensors(m)});
+    EncodeRound(round_entries_, meta_buf_);
+    if (!cfg_.journal.empty()) {
+      recent_rounds_.emplace_back(rec.round, meta_buf_);
+      if (recent_rounds_.size() > kMaxHistory) recent_rounds_.pop_front();
+    }
+    if (audit) AuditRound(rec);
+    gradients_in_rounds_ += rec.members.size();
+    for (const RoundMember& m : rec.members) {
+      Clock& next = placed_next_clock_[m.worker];
+      next = std::max(next, m.clock + 1);
+    }
+    rounds_announced_ = rec.round + 1;
+  }
+
+  // --- nodes coming back to a restarted scheduler ------------------------------------------
+
+  // A node of the job this scheduler continues: it proves who it is (a server with the job
+  // key, a worker with its credential), and gets what it missed while no scheduler ran.
+  void HandleRejoin(PeerId peer, const FrameHeader& h, const Hello& hello) {
+    const auto refuse = [&](const std::string& why) {
+      Refuse(peer, h, Error(StatusCode::kFailedPrecondition, "node {} cannot rejoin: {}", hello.node, why), true);
+    };
+    if (!hello.credential) return refuse("its hello carries no proof of who it is");
+    FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
+    ack.request = h.request;
+    if (hello.role == Role::kServer) {
+      ServerEntry* s = FindServer(hello.node);
+      if (s == nullptr || !TagsEqual(*hello.credential, ServerProof(job_key_, hello.node, kSchedulerId))) {
+        return refuse("it is no server of this job");
+      }
+      if (s->lost) return refuse("the job went on without it (it was declared lost)");
+      if (!s->away) return refuse("that server is connected already");
+      const Round from = hello.rounds_received;
+      if (from > rounds_announced_ ||
+          (from < rounds_announced_ &&
+           (recent_rounds_.empty() || recent_rounds_.front().first > from))) {
+        // Rounds a server received are journaled; an older one no longer kept cannot be sent.
+        return refuse(fmt::format("it has {} round(s) and this scheduler can send it rounds {} "
+                                  "to {} only", from,
+                                  recent_rounds_.empty() ? rounds_announced_ : recent_rounds_.front().first,
+                                  rounds_announced_));
+      }
+      s->away = false;
+      s->ready = true;  // it has its slices (its kReady may not have been journaled)
+      s->peer = peer;
+      s->last_seen = SteadyClock::now();
+      s->applied = hello.rounds_applied;
+      peers_[peer] = {PeerKind::kServer, s->id};
+      Welcome w = JobWelcome(s->id);
+      w.reconnect_grace_ms = cfg_.reconnect_grace_ms;
+      Send(peer, ack, AsBytes(EncodeWelcome(w)));
+      // What it missed, in order: the learning rate, the rounds, the workers gone (it drops
+      // what they staged for clocks they never committed; a second time changes nothing).
+      // Each change goes before the round it starts from: one from a round the server has
+      // was sent with it; the later ones it may have missed.
+      for (const auto& [lr_from, rate] : lr_changes_) {
+        if (lr_from < from) continue;
+        FrameHeader lr = MakeHeader(MsgType::kLearningRate, kSchedulerId);
+        lr.set_round(lr_from);
+        std::vector<std::byte> meta;
+        EncodeLearningRate(rate, meta);
+        Send(peer, lr, meta);
+      }
+      uint64_t resent = 0;
+      for (const auto& [round, meta] : recent_rounds_) {
+        if (round < from) continue;
+        FrameHeader rh = MakeHeader(MsgType::kRound, kSchedulerId);
+        rh.set_round(round);
+        Send(peer, rh, meta);
+        ++resent;
+      }
+      for (const auto& [gone_id, next] : gone_workers_) {
+        FrameHeader gone = MakeHeader(MsgType::kWorkerGone, kSchedulerId);
+        gone.set_gone_worker(gone_id);
+        gone.set_next_clock(next);
+        Send(peer, gone);
+      }
+      spdlog::info("scheduler: server {} is back from {} ({} round(s) sent again)", s->id,
+                   transport_->PeerAddress(peer), resent);
+      RejoinDone();
+      return;
+    }
+    auto wit = workers_.find(hello.node);
+    if (hello.observer || wit == workers_.end() ||
+        !TagsEqual(*hello.credential, ClientCredential(job_key_, hello.node, false))) {
+      return refuse("it is no live worker of this job (observers join again as new ones)");
+    }
+    WorkerEntry& w = wit->second;
+    if (!w.away) return refuse("that worker is connected already");
+    w.away = false;
+    w.peer = peer;
+    w.last_seen = SteadyClock::now();
+    w.address = transport_->PeerAddress(peer);
+    peers_[peer] = {PeerKind::kWorker, hello.node};
+    Welcome welcome = ClientWelcome(hello.node, false);
+    welcome.reconnect_grace_ms = cfg_.reconnect_grace_ms;
+    Send(peer, ack, AsBytes(EncodeWelcome(welcome)));
+    if (auto g = last_gate_.find(hello.node); g != last_gate_.end()) {
+      FrameHeader gh = MakeHeader(MsgType::kGate, kSchedulerId);
+      gh.set_clock(g->second.clock);
+      gh.set_min_version(g->second.min_version);
+      Send(peer, gh);
+    }
+    spdlog::info("scheduler: worker {} is back from {} ({} gradient(s) committed)", hello.node,
+                 w.address, w.committed);
+    RejoinDone();
+  }
+
+  bool Away() const {
+    return std::any_of(servers_.begin(), servers_.end(), [](const ServerEntry& s) { return s.away && !s.lost; }) ||
+           std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w.second.away; });
+  }
+
+  // Everyone came back, or the grace is over: the job goes on with whoever is here.
+  void RejoinDone() {
+    if (!rejoin_deadline_) return;
+    if (Away()) return;
+    rejoin_deadline_.reset();
+    spdlog::info("scheduler: every node of the job is back; it goes on from round {}", rounds_announced_);
+    AdmitWaiting();
+    Progress();
+  }
+
+  // The grace is over: a server not back is lost (its copies serve, or the job ends), a
+  // worker not back failed (its committed gradients stand).
+  void RejoinGraceOver() {
+    const std::string what = fmt::format("did not come back within the reconnect grace of {} s "
+                                         "(--reconnect-grace) after the scheduler was restarted",
+                                         cfg_.reconnect_grace_ms / 1000);
+    rejoin_deadline_.reset();
+    std::vector<WorkerId> workers;
+    for (const auto& [id, w] : workers_) {
+      if (w.away) workers.push_back(id);
+    }
+    for (WorkerId id : workers) RemoveWorker(id, /*failed=*/true, what);
+    for (ServerEntry& s : servers_) {
+      if (!s.away || s.lost) continue;
+      s.away = false;
+      if (!finished_ && !stop_) LoseServer(s.id, what);
+    }
+    AdmitWaiting();
+    Progress();
+  }
+
   // A frame that must leave before the transport shuts down at the end of the job.
   void SendTracked(PeerId peer, const FrameHeader& h) {
     ++final_frames_in_flight_;
-    Status st = transport_->Send(peer, h, {}, nullptr, 0, [this](const Status&) {
-      std::lock_guard lock(mu_);
-      --final_frames_in_flight_;
-      cv_.notify_all();
+    Out([this, peer, h, locked = !journal_.open()] {
+      Status st = transport_->Send(peer, h, {}, nullptr, 0, [this](const Status&) {
+        std::lock_guard lock(mu_);
+        --final_frames_in_flight_;
+        cv_.notify_all();
+      });
+      if (!st.ok()) Untrack(locked);
     });
-    if (!st.ok()) --final_frames_in_flight_;
   }
 
   void Finish(Status result) {
@@ -1130,20 +1772,39 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     cv_.notify_all();
   }
 
-  // The nodes waiting for their welcome get the job's failure as the answer to their hello
-  // (the others see the connection end; their own timeouts and heartbeats cover them).
-  void TellFailure(const Status& why) {
-    auto tell = [&](PeerId peer, uint64_t request) {
-      FrameHeader about = MakeHeader(MsgType::kHello, kSchedulerId);
-      about.request = request;
-      ++final_frames_in_flight_;
+  // An error frame answering `about` that must leave before the transport shuts down.
+  void SendErrorTracked(PeerId peer, const Status& why, const FrameHeader& about) {
+    ++final_frames_in_flight_;
+    Out([this, peer, why, about, locked = !journal_.open()] {
       const Status st = SendError(*transport_, peer, kSchedulerId, why, about,
                                   /*close_after=*/false, [this](const Status&) {
                                     std::lock_guard lock(mu_);
                                     --final_frames_in_flight_;
                                     cv_.notify_all();
                                   });
-      if (!st.ok()) --final_frames_in_flight_;
+      if (!st.ok()) Untrack(locked);
+    });
+  }
+
+  // A tracked frame that could not be sent: no longer waited for. `locked`: run at once,
+  // under mu_ (no journal), rather than from the flusher.
+  void Untrack(bool locked) {
+    if (locked) {
+      --final_frames_in_flight_;
+      return;
+    }
+    std::lock_guard lock(mu_);
+    --final_frames_in_flight_;
+    cv_.notify_all();
+  }
+
+  // The nodes waiting for their welcome get the job's failure as the answer to their hello
+  // (the others see the connection end; their own timeouts and heartbeats cover them).
+  void TellFailure(const Status& why) {
+    auto tell = [&](PeerId peer, uint64_t request) {
+      FrameHeader about = MakeHeader(MsgType::kHello, kSchedulerId);
+      about.request = request;
+      SendErrorTracked(peer, why, about);
     };
     for (const auto& [id, peer] : waiting_) tell(peer, waiting_requests_[id]);
     for (const WaitingObserver& o : waiting_observers_) tell(o.peer, o.request);
@@ -1180,8 +1841,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         TellWaiting();
       }
       if (now >= judge_from) {
+        if (rejoin_deadline_ && now > *rejoin_deadline_) RejoinGraceOver();
         std::vector<WorkerId> dead;
         for (const auto& [id, w] : workers_) {
+          if (w.away) continue;  // the reconnect grace covers it
           if (now - w.last_seen > timeout && !transport_->HasUnreadInput(w.peer)) {
             dead.push_back(id);
           }
@@ -1194,7 +1857,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         for (const ServerEntry& s : LiveServers()) {
           // A server restoring a checkpoint is busy before it heartbeats; the start timeout
           // covers one that never gets ready.
-          if (s.ready && now - s.last_seen > timeout && !transport_->HasUnreadInput(s.peer)) {
+          if (s.ready && !s.away && now - s.last_seen > timeout &&
+              !transport_->HasUnreadInput(s.peer)) {
             silent.push_back(s.id);
           }
         }
@@ -1234,7 +1898,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   Config cfg_;
   std::unique_ptr<Transport> transport_;
-  const JobKey job_key_;  // credentials and receipts; shared with the servers only
+  JobKey job_key_;  // credentials and receipts; shared with the servers only (a journal's
+                    // when restarted)
   uint16_t port_ = 0;
   std::string rendezvous_host_;  // what this scheduler wrote to the rendezvous file
 
@@ -1299,6 +1964,26 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::vector<RoundEntry> round_entries_;
   CommitProof commit_scratch_;  // reused by every commit
   std::thread monitor_;
+  // The journal (Config::journal): records added under mu_, written by the flusher, which
+  // then sends what waited for them (outbox_).
+  JournalFile journal_;
+  std::vector<std::function<void()>> outbox_;
+  std::condition_variable flush_cv_;
+  bool flusher_stop_ = false;
+  bool flushing_ = false;        // the flusher is writing or sending a batch
+  bool journal_failed_ = false;  // a write failed: the job ended
+  bool crash_after_write_ = false;  // Config::test_crash_after_round is in the batch
+  std::thread flusher_;
+  // Restarted from a journal: nodes not back yet (away) have until this deadline.
+  bool restarted_ = false;
+  std::optional<SteadyClock::time_point> rejoin_deadline_;
+  // The newest rounds' metadata, for a server that comes back having missed some.
+  std::deque<std::pair<Round, std::vector<std::byte>>> recent_rounds_;
+  std::map<WorkerId, Clock> gone_workers_;     // removed workers: their next clock
+  std::map<WorkerId, GateRelease> last_gate_;  // ssp: the newest gate released per worker
+  std::map<Round, float> lr_changes_;          // every change of the learning rate, by round
+  Status resume_unreadable_;  // the checkpoint the journal's job started from, if unreadable
+  bool end_journaled_ = false;
 };
 
 }  // namespace

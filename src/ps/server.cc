@@ -32,6 +32,7 @@
 #include "ps/checkpoint.h"
 #include "ps/client_registry.h"
 #include "ps/handshake.h"
+#include "ps/rejoin.h"
 #include "ps/net_address.h"
 #include "ps/optimizer.h"
 #include "ps/round_rule.h"
@@ -60,6 +61,7 @@ class ServerNode final : public Server, public TransportHandler {
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    if (rejoin_thread_.joinable()) rejoin_thread_.join();
     ReleaseAllStaged();
   }
 
@@ -191,6 +193,7 @@ class ServerNode final : public Server, public TransportHandler {
     transport_->Shutdown();
     if (apply_thread_.joinable()) apply_thread_.join();
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
+    if (rejoin_thread_.joinable()) rejoin_thread_.join();
     spdlog::info("server {} stopped after {} round(s)", id_.load(), stats_.rounds_applied.load());
     // An evicted server's copies are stale: its summary would not be the job's model.
     if (result.ok() && !evicted_ && !cfg_.dump_model.empty()) result = DumpModel();
@@ -242,10 +245,27 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   void OnDisconnected(PeerId peer, const Status& why) override {
+    if (peer == rejoin_.peer) {
+      std::lock_guard lock(mu_);
+      if (rejoin_.answer == RejoinState::Answer::kNone) rejoin_.answer = RejoinState::Answer::kCut;
+      cv_.notify_all();
+      return;
+    }
     if (peer == scheduler_) {
       std::lock_guard lock(mu_);
       if (draining_) {
         stop_ = true;  // stopping anyway: the scheduler stopped first
+      } else if (!shutdown_ && !stop_ && !evicted_ && result_.ok() && welcomed_ &&
+                 job_.reconnect_grace_ms > 0) {
+        // The job journals its scheduler: it may be restarted, and this server goes on
+        // serving its clients meanwhile.
+        spdlog::warn("server {}: lost the scheduler ({}); waiting up to {} s for it to be "
+                     "restarted from its journal",
+                     id_.load(), why.message(), job_.reconnect_grace_ms / 1000);
+        if (rejoin_.Lost(why.message())) {
+          if (rejoin_thread_.joinable()) rejoin_thread_.join();  // the previous one, done
+          rejoin_thread_ = std::thread([this] { RejoinLoop(); });
+        }
       } else if (!shutdown_ && !stop_ && !evicted_ && result_.ok()) {
         result_ = Error(StatusCode::kUnavailable, "lost the scheduler: {}", why.message());
         spdlog::error("server {}: {}", id_.load(), result_.message());
@@ -257,7 +277,7 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) override {
-    if (peer == scheduler_) return nullptr;
+    if (peer == scheduler_ || peer == rejoin_.peer) return nullptr;
     Client* ps = clients_.Find(peer);
     if (!ps || ps->doomed) return nullptr;
     ps->verdict = Status::Ok();
@@ -301,6 +321,10 @@ class ServerNode final : public Server, public TransportHandler {
                void* payload) override {
     if (peer == scheduler_) {
       HandleScheduler(h, meta);
+      return;
+    }
+    if (peer == rejoin_.peer) {
+      OnRejoinAnswer(peer, h, meta);
       return;
     }
     Client* ps = clients_.Find(peer);
@@ -632,6 +656,60 @@ class ServerNode final : public Server, public TransportHandler {
     ++stats_.pulls_answered;
   }
 
+  // The scheduler was lost: until the reconnect grace is over, this server tries to reach it
+  // again (restarted from its journal, at the same address) and rejoins it, proving who it is
+  // with the job key and saying which rounds it has, so that it is sent the rest. Clients
+  // are served meanwhile; nothing is applied that the scheduler did not decide.
+  void RejoinLoop() {
+    std::unique_lock lock(mu_);
+    Status st = RunRejoin(
+        lock, cv_, *transport_, cfg_, job_.reconnect_grace_ms, id_, rejoin_,
+        [&] { return stop_ || shutdown_ || !result_.ok(); },
+        [&] {
+          Hello hello;
+          hello.role = Role::kServer;
+          hello.token = cfg_.token;
+          hello.node = id_;
+          hello.host = advertised_;
+          hello.port = port_;
+          hello.rejoin = true;
+          hello.credential = ServerProof(*job_.job_key, id_, kSchedulerId);
+          hello.rounds_received = next_round_in_;
+          hello.rounds_applied = stats_.rounds_applied;
+          return hello;
+        });
+    if (!st.ok() && result_.ok()) {
+      result_ = std::move(st);
+      spdlog::error("server {}: {}", id_.load(), result_.message());
+      cv_.notify_all();
+    }
+  }
+
+  // The restarted scheduler's answer to the rejoin: from its welcome on, frames on this
+  // connection are the scheduler's (the rounds this server missed follow at once).
+  void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
+    std::lock_guard lock(mu_);
+    if (h.msg_type() == MsgType::kHelloAck) {
+      scheduler_ = peer;
+      rejoin_.peer = kNoPeer;
+      rejoin_.answer = RejoinState::Answer::kWelcomed;
+      rejoin_.lost = false;
+      spdlog::info("server {}: back with the restarted scheduler; it goes on from round {}",
+                   id_.load(), next_round_in_);
+      // Rounds applied since the hello was written were reported to the lost scheduler.
+      if (const Round applied = stats_.rounds_applied; applied > 0) {
+        FrameHeader done = MakeHeader(MsgType::kApplied, id_);
+        done.set_round(applied - 1);
+        (void)SendControl(*transport_, peer, done);
+      }
+    } else if (h.msg_type() == MsgType::kError) {
+      rejoin_.answer = RejoinState::Answer::kRefused;
+      result_ = ErrorFromFrame(h, meta).WithContext("the restarted scheduler refused this server");
+      spdlog::error("server {}: {}", id_.load(), result_.message());
+    }
+    cv_.notify_all();
+  }
+
   void HandleScheduler(const FrameHeader& h, std::span<const std::byte> meta) {
     switch (h.msg_type()) {
       case MsgType::kHelloAck: {
@@ -656,6 +734,7 @@ class ServerNode final : public Server, public TransportHandler {
             return;
           }
           welcomed_ = true;
+          next_round_in_ = stats_.rounds_applied;
           // Workers are admitted only once every server said so: none is turned away by a
           // server that has not taken its welcome yet.
           (void)SendControl(*transport_, scheduler_, MakeHeader(MsgType::kReady, id_));
@@ -665,7 +744,8 @@ class ServerNode final : public Server, public TransportHandler {
       }
       case MsgType::kError: {
         std::lock_guard lock(mu_);
-        result_ = ErrorFromFrame(h, meta).WithContext("the scheduler refused this server");
+        result_ = ErrorFromFrame(h, meta).WithContext(welcomed_ ? "the scheduler ended the job"
+                                                                : "the scheduler refused this server");
         cv_.notify_all();
         return;
       }
@@ -675,7 +755,10 @@ class ServerNode final : public Server, public TransportHandler {
         std::lock_guard lock(mu_);
         if (!st.ok()) {
           result_ = st.WithContext("round from the scheduler");
+        } else if (r.round < next_round_in_) {
+          return;  // sent again by a restarted scheduler: this server has it already
         } else {
+          next_round_in_ = r.round + 1;
           r.lr = LearningRateOf(r.round);
           rounds_.push_back(std::move(r));
         }
@@ -1114,7 +1197,8 @@ class ServerNode final : public Server, public TransportHandler {
   const DeviceMemory* device_memory_ = nullptr;  // set when GPUDirect RDMA is on
   std::atomic<bool> device_direct_{false};       // new payloads go to device memory
   uint64_t direct_min_bytes_ = 0;
-  PeerId scheduler_ = kNoPeer;
+  // Read by every transport thread; a scheduler restarted from its journal replaces it.
+  std::atomic<PeerId> scheduler_{kNoPeer};
   uint16_t port_ = 0;
   std::string advertised_;  // the host the scheduler tells workers to reach this server at
   // Written when the scheduler's welcome arrives, read by every transport thread.
@@ -1138,6 +1222,11 @@ class ServerNode final : public Server, public TransportHandler {
   std::map<Round, float> lr_schedule_;  // round -> the job's learning rate from it on
   std::thread apply_thread_;
   std::thread heartbeat_thread_;
+  // A lost scheduler of a journaled job (Welcome::reconnect_grace_ms): the thread that waits
+  // for it to be restarted and rejoins it, and how the newest attempt ended.
+  std::thread rejoin_thread_;
+  RejoinState rejoin_;
+  Round next_round_in_ = 0;  // the next round the scheduler has not sent yet
 
   mutable std::shared_mutex slices_mu_;  // the maps below; exclusive only to add a slice
   std::unordered_map<SliceKey, std::unique_ptr<SliceState>> slices_;

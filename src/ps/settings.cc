@@ -31,6 +31,27 @@ std::string GetNumber(const Config& c) {
   return fmt::format("{}", c.*M);
 }
 
+// Whole seconds, up to a day, kept in milliseconds.
+template <auto M>
+Status SetSeconds(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, 86400));
+  c.*M = static_cast<uint32_t>(x * 1000);
+  return Status::Ok();
+}
+template <auto M>
+std::string GetSeconds(const Config& c) {
+  return fmt::format("{}", c.*M / 1000);
+}
+
+Status SetOptionalRound(Config& c, std::string_view v) {
+  DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, UINT64_MAX));
+  c.test_crash_after_round = x;
+  return Status::Ok();
+}
+std::string GetOptionalRound(const Config& c) {
+  return c.test_crash_after_round ? fmt::format("{}", *c.test_crash_after_round) : std::string();
+}
+
 template <auto M>
 Status SetPort(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, UINT64_MAX));
@@ -273,8 +294,20 @@ constexpr Setting kSettings[] = {
    S::kJob, true, false, SetCheckpointEvery, GetCheckpointEvery},
   {"DSYNC_RESUME", {}, "--resume",
    "scheduler: start from the newest complete checkpoint under this directory (a torn or "
-   "corrupt one is refused, naming the file, and the one before it used)", S::kJob, true,
+   "corrupt one is refused, naming the file, and the one before it used); given a --journal "
+   "file, continue that job where its scheduler stopped", S::kJob, true,
    false, SetText<&Config::resume>, GetText<&Config::resume>},
+  {"DSYNC_JOURNAL", {}, "--journal",
+   "scheduler: journal every decision to this file (fdatasync'd before it is sent), so that a "
+   "scheduler that dies can be started again with --resume FILE and the job goes on", S::kJob,
+   true, false, SetText<&Config::journal>, GetText<&Config::journal>},
+  {"DSYNC_TEST_CRASH_AFTER_ROUND", {}, "--test-crash-after-round",
+   "tests: the scheduler's process ends as if killed once round N is journaled, before it is "
+   "sent", S::kJob, false, false, SetOptionalRound, GetOptionalRound},
+  {"DSYNC_RECONNECT_GRACE", {}, "--reconnect-grace",
+   "scheduler of a journaled job: seconds its servers and workers wait for it to be restarted "
+   "after it is lost, before they stop", S::kJob, true, false, SetSeconds<&Config::reconnect_grace_ms>,
+   GetSeconds<&Config::reconnect_grace_ms>},
   {"DSYNC_DUMP_MODEL", {}, "--dump-model",
    "servers: at the end, write per-slice summaries to this directory", S::kServer, false, false,
    SetText<&Config::dump_model>, GetText<&Config::dump_model>},

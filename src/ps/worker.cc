@@ -22,6 +22,7 @@
 
 #include "ps/launcher_pipe.h"
 #include "ps/handshake.h"
+#include "ps/rejoin.h"
 #include "ps/slicing.h"
 #include "ps/trace.h"
 
@@ -92,6 +93,8 @@ class WorkerNode final : public Worker, public TransportHandler {
       clock_ = w.start_clock;
       gate_clock_ = w.start_clock;
       gate_ = w.gate;
+      reconnect_grace_ms_ = w.reconnect_grace_ms;
+      credential_ = w.credential;
     }
     hello.node = w.id;
     hello.credential = w.credential;
@@ -357,7 +360,7 @@ class WorkerNode final : public Worker, public TransportHandler {
                    "observer {} is read-only: it cannot set the learning rate", job_.worker_id);
     }
     // One change at a time: the answer is matched to the request it belongs to.
-    cv_.wait(lock, [&] { return !lr_request_ || !broken_.ok(); });
+    cv_.wait(lock, [&] { return (!lr_request_ && !away_) || !broken_.ok(); });
     DSYNC_RETURN_IF_ERROR(broken_);
     const uint64_t request = ++lr_requests_;
     lr_request_ = request;
@@ -392,11 +395,19 @@ class WorkerNode final : public Worker, public TransportHandler {
     std::unique_lock lock(mu_);
     if (left_) return Status::Ok();
     if (pushed_count_ > 0) CompleteClock();  // commit what was pushed: never lost
-    cv_.wait(lock, [&] { return clocks_.empty() || !broken_.ok(); });
+    cv_.wait(lock, [&] { return (clocks_.empty() && !away_) || !broken_.ok(); });
     DSYNC_RETURN_IF_ERROR(broken_);
     leaving_ = true;
-    DSYNC_RETURN_IF_ERROR(SendControl(*transport_, scheduler_,
-                                      MakeHeader(MsgType::kLeave, job_.worker_id)));
+    if (Status st = SendControl(*transport_, scheduler_, MakeHeader(MsgType::kLeave, job_.worker_id));
+        !st.ok()) {
+      if (reconnect_grace_ms_ == 0) return st;
+      // The scheduler's connection is ending. Every commit was answered, so nothing of this
+      // worker's is lost: a restarted scheduler finds it gone.
+      spdlog::warn("worker {}: leaving without the scheduler's acknowledgement ({}); every "
+                   "commit was answered",
+                   job_.worker_id, st.message());
+      left_ = true;
+    }
     cv_.wait(lock, [&] { return left_ || !broken_.ok(); });
     Status result = left_ ? Status::Ok() : broken_;
     lock.unlock();
@@ -472,6 +483,11 @@ class WorkerNode final : public Worker, public TransportHandler {
         !(h.msg_type() == MsgType::kPullReply && payload != nullptr)) {
       return;
     }
+    if (peer == rejoin_.peer) {
+      OnRejoinAnswer(peer, h, meta);
+      cv_.notify_all();
+      return;
+    }
     switch (h.msg_type()) {
       case MsgType::kHelloAck:
         handshake_reply_ = std::string(AsText(meta));
@@ -523,6 +539,11 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   void OnDisconnected(PeerId peer, const Status& why) override {
     std::lock_guard lock(mu_);
+    if (peer == rejoin_.peer) {
+      if (rejoin_.answer == RejoinState::Answer::kNone) rejoin_.answer = RejoinState::Answer::kCut;
+      cv_.notify_all();
+      return;
+    }
     if (leaving_ && peer == scheduler_) {
       // Every commit was acknowledged before the leave was sent: nothing is lost if the
       // acknowledgement of the leave itself did not make it (the job may have just ended).
@@ -532,8 +553,32 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     if (leaving_ || left_) return;
     if (peer != scheduler_ && IsLost(peer)) return;  // closed here once the scheduler said so
+    if (peer == scheduler_ && reconnect_grace_ms_ > 0 && broken_.ok() && !stop_) {
+      // The job journals its scheduler: it may be restarted. Pushes and pulls go on; commits
+      // wait for it.
+      away_ = true;
+      spdlog::warn("worker {}: lost the scheduler ({}); waiting up to {} s for it to be "
+                   "restarted from its journal",
+                   job_.worker_id, why.message(), reconnect_grace_ms_ / 1000);
+      if (rejoin_.Lost(why.message())) {
+        if (rejoin_thread_.joinable()) rejoin_thread_.join();  // the previous one, done
+        rejoin_thread_ = std::thread([this] { RejoinLoop(); });
+      }
+      return;
+    }
     const std::string who = peer == scheduler_ ? std::string("the scheduler")
                                                : fmt::format("server {}", server_ids_[peer]);
+    if (away_ && peer != scheduler_ && RankOf(peer) == kNoRank) {
+      return;  // a rejoin's connection, ended before its attempt knew it: the attempt retries
+    }
+    if (peer != scheduler_ && away_) {
+      // Servers wait for a lost scheduler as long as workers do: this one stopped waiting.
+      Break(Error(StatusCode::kUnavailable,
+                  "lost the connection to {} ({}) while the scheduler was lost: the job's nodes "
+                  "wait for it the reconnect grace of {} s (--reconnect-grace)",
+                  who, why.message(), reconnect_grace_ms_ / 1000));
+      return;
+    }
     if (peer != scheduler_ && replicas_ > 1) {
       // Its slices have other copies: the scheduler, which hears of the loss too, says when
       // to stop waiting for it (kServerGone). Until then nothing it owed is given up.
@@ -590,6 +635,52 @@ class WorkerNode final : public Worker, public TransportHandler {
     std::vector<uint32_t> acks_at;
     std::vector<Tag> receipts_at;
   };
+
+  // The scheduler was lost: until the reconnect grace is over, try to reach it again
+  // (restarted from its journal, at the same address) and rejoin with this worker's
+  // credential. The commit that was not answered goes again once it is back.
+  void RejoinLoop() {
+    std::unique_lock lock(mu_);
+    Status st = RunRejoin(lock, cv_, *transport_, cfg_, reconnect_grace_ms_, job_.worker_id, rejoin_,
+                          [&] { return stop_ || leaving_ || !broken_.ok(); },
+                          [&] {
+                            Hello hello;
+                            hello.role = Role::kWorker;
+                            hello.token = cfg_.token;
+                            hello.node = job_.worker_id;
+                            hello.rejoin = true;
+                            hello.credential = credential_;
+                            return hello;
+                          });
+    if (!st.ok()) Break(st);
+  }
+
+  // The restarted scheduler's answer: from its welcome on, this connection is the
+  // scheduler's. Losses of servers it announced meanwhile are taken, and the commit it never
+  // answered goes again (it answers a commit it has as the lost one did).
+  void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
+    if (h.msg_type() == MsgType::kError) {
+      rejoin_.answer = RejoinState::Answer::kRefused;
+      Break(ErrorFromFrame(h, meta).WithContext("the restarted scheduler refused this worker"));
+      return;
+    }
+    if (h.msg_type() != MsgType::kHelloAck) return;
+    auto w = DecodeWelcome(meta);
+    if (!w.ok()) {
+      rejoin_.answer = RejoinState::Answer::kRefused;
+      Break(w.status().WithContext("the restarted scheduler's answer"));
+      return;
+    }
+    scheduler_ = peer;
+    rejoin_.peer = kNoPeer;
+    rejoin_.answer = RejoinState::Answer::kWelcomed;
+    rejoin_.lost = false;
+    away_ = false;
+    spdlog::info("worker {}: back with the restarted scheduler", job_.worker_id);
+    for (uint32_t i = 0; i < w->servers_lost.size(); ++i) OnServerLost(w->servers_lost[i], i + 1);
+    if (!clocks_.empty()) clocks_.front().commit_sent = false;
+    TryCommit();
+  }
 
   // Sends the hello and waits for the answer. The scheduler may hold a worker until every
   // server and the job's first workers are up, but it says so every heartbeat interval
@@ -952,7 +1043,7 @@ class WorkerNode final : public Worker, public TransportHandler {
 
   // Commits go out one at a time, in clock order, each once all its slices are acknowledged.
   void TryCommit() {
-    if (clocks_.empty() || !broken_.ok()) return;
+    if (clocks_.empty() || !broken_.ok() || away_) return;
     ClockState& cs = clocks_.front();
     if (cs.commit_sent || !cs.complete || cs.acks_outstanding > 0) return;
     const bool empty = cs.proof.tensors.empty();
@@ -975,7 +1066,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     EncodeCommit(cs.proof, commit_meta_);
     Status st = transport_->Send(scheduler_, h, commit_meta_, nullptr, 0);
     if (!st.ok()) {
-      Break(st.WithContext("commit"));
+      // The scheduler's connection is ending: with a journal, it may be restarted, and the
+      // commit goes again once this worker is back with it (OnDisconnected starts that).
+      if (reconnect_grace_ms_ == 0) Break(st.WithContext("commit"));
       return;
     }
     cs.commit_sent = true;
@@ -1098,6 +1191,10 @@ class WorkerNode final : public Worker, public TransportHandler {
       Break(st);
       return;
     }
+    if (about == MsgType::kShutdown && peer == scheduler_) {  // the job ended without it
+      Break(st.WithContext("the scheduler ended the job"));
+      return;
+    }
     if (about == MsgType::kSetLearningRate) {
       if (lr_request_ && h.request == *lr_request_) lr_answer_ = Result<Round>(st);
       return;
@@ -1156,6 +1253,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       heartbeat_cv_.notify_all();
     }
     if (heartbeat_.joinable()) heartbeat_.join();
+    if (rejoin_thread_.joinable()) rejoin_thread_.join();
     transport_->Shutdown();
   }
 
@@ -1164,6 +1262,13 @@ class WorkerNode final : public Worker, public TransportHandler {
   JobInfo job_;
   std::optional<SlicePlanner> planner_;
   std::atomic<PeerId> scheduler_{kNoPeer};
+  // A lost scheduler of a journaled job (Welcome::reconnect_grace_ms): while away_, commits
+  // wait; the rejoin thread reaches the restarted scheduler (rejoin_).
+  uint32_t reconnect_grace_ms_ = 0;
+  Tag credential_{};
+  bool away_ = false;
+  RejoinState rejoin_;
+  std::thread rejoin_thread_;
   std::vector<PeerId> servers_;  // by rank
   std::unordered_map<PeerId, NodeId> server_ids_;
 
