@@ -511,7 +511,6 @@ TEST_F(MultiProcess, ASchedulerKilledAndRestartedFromItsJournalLosesNothing) {
     EXPECT_NE(late.Output().find("is over (finished): there is nothing to resume"),
               std::string::npos)
         << late.Output();
-    if (getenv("SHOWLOGS")) std::cerr << out << job.workers[0]->Output() << job.workers[1]->Output() << job.servers[0]->Output() << job.scheduler->Output();
     if (HasFailure()) break;
   }
 }
