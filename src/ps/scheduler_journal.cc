@@ -124,18 +124,24 @@ JournalFile::~JournalFile() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-Result<JournalFile> JournalFile::Create(const std::string& path) {
+Result<JournalFile> JournalFile::OpenToAppend(const std::string& path, int flags,
+                                              std::string_view what) {
   // 0600: the journal holds the job key, which credentials and receipts derive from.
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | flags, 0600);
   if (fd < 0) {
-    return Error(StatusCode::kInvalidArgument, "--journal {}: cannot create it: {}", path,
+    return Error(StatusCode::kInvalidArgument, "{} {}: cannot write it: {}", what, path,
                  std::strerror(errno));
   }
   JournalFile f;
   f.fd_ = fd;
   f.path_ = path;
+  return f;
+}
+
+Result<JournalFile> JournalFile::Create(const std::string& path) {
+  DSYNC_ASSIGN_OR_RETURN(JournalFile f, OpenToAppend(path, O_CREAT, "--journal"));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(f.fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
     return Error(StatusCode::kInvalidArgument, "--journal {}: not a regular file", path);
   }
   if (st.st_size != 0) {
@@ -150,16 +156,9 @@ Result<JournalFile> JournalFile::Create(const std::string& path) {
 }
 
 Result<JournalFile> JournalFile::Continue(const std::string& path, const JournalContents& read) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
-  if (fd < 0) {
-    return Error(StatusCode::kInvalidArgument, "--resume {}: cannot write the journal: {}", path,
-                 std::strerror(errno));
-  }
-  JournalFile f;
-  f.fd_ = fd;
-  f.path_ = path;
+  DSYNC_ASSIGN_OR_RETURN(JournalFile f, OpenToAppend(path, 0, "--resume"));
   if (read.torn_bytes > 0 &&
-      (::ftruncate(fd, static_cast<off_t>(read.good_bytes)) != 0 || ::fdatasync(fd) != 0)) {
+      (::ftruncate(f.fd_, static_cast<off_t>(read.good_bytes)) != 0 || ::fdatasync(f.fd_) != 0)) {
     return Error(StatusCode::kUnavailable, "--resume {}: cannot cut off its torn end: {}", path,
                  std::strerror(errno));
   }

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dsync/status.h"
@@ -65,6 +66,9 @@ class JournalFile {
   Status WriteDurably(std::span<const char> bytes);
 
  private:
+  static Result<JournalFile> OpenToAppend(const std::string& path, int flags,
+                                          std::string_view what);
+
   int fd_ = -1;
   std::string path_;
   std::vector<char> buffer_;
