@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "ps/keys.h"
+#include "ps/rejoin.h"
 #include "ps/scheduler_journal.h"
 
 namespace dsync::ps {
@@ -121,6 +123,40 @@ TEST_F(JournalTest, DamageBeforeTheEndIsRefusedNamingWhere) {
   EXPECT_EQ(read.status().code(), StatusCode::kDataLoss);
   EXPECT_NE(read.status().message().find("damaged at byte 8"), std::string::npos)
       << read.status().ToString();
+}
+
+TEST_F(JournalTest, OneSchedulerAtATimeWritesAJournal) {
+  Write(1);
+  auto read = ReadJournal(path_);
+  ASSERT_TRUE(read.ok());
+  auto first = JournalFile::Continue(path_, *read);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto second = JournalFile::Continue(path_, *read);  // a restart while the first still runs
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("another scheduler has this journal open"),
+            std::string::npos)
+      << second.status().ToString();
+  first = Status(StatusCode::kAborted, "closed");  // the first one ends: its lock goes with it
+  EXPECT_TRUE(JournalFile::Continue(path_, *read).ok());
+}
+
+// A welcome to a rejoin is the scheduler's only if it proves so over the attempt's nonce, with
+// the job key (servers) or the worker's credential: not another job's, not a replayed one.
+TEST(Rejoin, AWelcomeIsTheSchedulersOnlyWithItsProofOverThisAttemptsNonce) {
+  const JobKey key = RandomJobKey(), other = RandomJobKey();
+  RejoinState state;
+  state.nonce = RandomNonce();
+  Welcome w;
+  EXPECT_FALSE(state.Proven(w, key, 1)) << "no proof";
+  w.scheduler_proof = SchedulerProof(key, 1, state.nonce);
+  EXPECT_TRUE(state.Proven(w, key, 1));
+  EXPECT_FALSE(state.Proven(w, other, 1)) << "another job's key";
+  EXPECT_FALSE(state.Proven(w, key, 2)) << "another node's";
+  const Tag credential = ClientCredential(key, 1000, false);
+  w.scheduler_proof = SchedulerProof(credential, 1000, state.nonce);
+  EXPECT_TRUE(state.Proven(w, credential, 1000));
+  state.nonce = RandomNonce();  // the next attempt: the old answer proves nothing
+  EXPECT_FALSE(state.Proven(w, credential, 1000));
 }
 
 TEST_F(JournalTest, OtherFilesAreNoJournals) {

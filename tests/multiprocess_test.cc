@@ -515,6 +515,42 @@ TEST_F(MultiProcess, ASchedulerKilledAndRestartedFromItsJournalLosesNothing) {
   }
 }
 
+// What answers at a lost scheduler's address is not taken for it unless it proves it holds
+// the job's secrets: another job's scheduler there refuses the rejoins (a refusal proves
+// nothing either), the nodes keep trying, and the job's restarted scheduler takes them back.
+TEST_F(MultiProcess, ANodeTakesNoImpostorForItsRestartedScheduler) {
+  const std::string journal = (dir_ / "journal").string();
+  RoleJob job(dir_, 1, 2, {"--iters", "80", "--compute-ms", "5"},
+              {{"DSYNC_JOURNAL", journal},
+               {"DSYNC_RECONNECT_GRACE", "20"},
+               {"DSYNC_DUMP_MODEL", (dir_ / "dump").string()}});
+  ASSERT_TRUE(job.workers[1]->WaitForOutput("joined", 20s)) << job.workers[1]->Output();
+  std::this_thread::sleep_for(300ms);
+  job.scheduler->Signal(SIGKILL);
+  EXPECT_NE(job.scheduler->Wait(10s), 0);
+  auto other = job.env;  // the same address and token, another job (and journal)
+  other["DSYNC_JOURNAL"] = (dir_ / "other.journal").string();
+  {
+    Proc impostor({DSYNC_BINARY, "scheduler"}, other, dir_ / "impostor.log");
+    ASSERT_TRUE(impostor.WaitForOutput("cannot rejoin", 20s)) << impostor.Output();
+    std::this_thread::sleep_for(500ms);
+    impostor.Signal(SIGKILL);
+    impostor.Wait(10s);
+  }
+  Proc again({DSYNC_BINARY, "scheduler", "--resume", journal}, job.env, dir_ / "again.log");
+  uint64_t total = 0;
+  for (auto& w : job.workers) {
+    EXPECT_EQ(w->Wait(60s), 0) << w->Output();
+    EXPECT_NE(w->Output().find("refused at the scheduler's address"), std::string::npos)
+        << w->Output();
+    total += Completed(w->Output(), false);
+  }
+  EXPECT_EQ(again.Wait(30s), 0) << again.Output();
+  EXPECT_EQ(job.servers[0]->Wait(30s), 0) << job.servers[0]->Output();
+  EXPECT_EQ(total, 160u);
+  ExpectModelCount(total, 1);
+}
+
 // A scheduler that is not restarted within the reconnect grace: every server and worker
 // stops by itself, naming the grace.
 TEST_F(MultiProcess, ASchedulerRestartedTooLateStopsEveryNodeNamingTheGrace) {

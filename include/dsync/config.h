@@ -144,6 +144,10 @@ inline constexpr uint32_t kReplicaLagRounds = 4;
 // connect.
 inline constexpr uint32_t kRejoinAttemptMs = 1000;
 inline constexpr uint32_t kRejoinRetryMs = 200;
+// A scheduler whose journal write (write + fdatasync) has not returned for this long stops
+// the job: every decision waits for it, and a disk that does not answer would hold the job
+// forever while every heartbeat still flows.
+inline constexpr uint32_t kJournalStallSeconds = 30;
 
 struct Config {
   Role role = Role::kWorker;

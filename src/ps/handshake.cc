@@ -86,6 +86,7 @@ std::string EncodeHello(const Hello& h) {
     j["rejoin"] = true;
     j["rounds_received"] = h.rounds_received;
     j["rounds_applied"] = h.rounds_applied;
+    j["nonce"] = ToHex(h.nonce);
   }
   return j.dump();
 }
@@ -110,6 +111,7 @@ Result<Hello> DecodeHello(std::span<const std::byte> meta) {
     DSYNC_RETURN_IF_ERROR(Field(j, "rejoin", &h.rejoin));
     DSYNC_RETURN_IF_ERROR(Field(j, "rounds_received", &h.rounds_received));
     DSYNC_RETURN_IF_ERROR(Field(j, "rounds_applied", &h.rounds_applied));
+    DSYNC_RETURN_IF_ERROR(TagField(j, "nonce", &h.nonce));
     if (h.rounds_applied > h.rounds_received) {
       return Error(StatusCode::kProtocol, "hello: {} round(s) applied of {} received",
                    h.rounds_applied, h.rounds_received);
@@ -157,6 +159,7 @@ std::string EncodeWelcome(const Welcome& w) {
   }
   if (w.checkpoints) j["checkpoints"] = true;
   if (w.reconnect_grace_ms != 0) j["reconnect_grace_ms"] = w.reconnect_grace_ms;
+  if (w.scheduler_proof) j["scheduler_proof"] = ToHex(*w.scheduler_proof);
   if (w.replicas != 1) j["replicas"] = w.replicas;
   if (!w.servers_lost.empty()) j["servers_lost"] = w.servers_lost;
   if (w.restore) {
@@ -237,6 +240,11 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   if (j.contains("checkpoints")) DSYNC_RETURN_IF_ERROR(Field(j, "checkpoints", &w.checkpoints));
   if (j.contains("reconnect_grace_ms")) {
     DSYNC_RETURN_IF_ERROR(Field(j, "reconnect_grace_ms", &w.reconnect_grace_ms));
+  }
+  if (j.contains("scheduler_proof")) {
+    Tag t;
+    DSYNC_RETURN_IF_ERROR(TagField(j, "scheduler_proof", &t));
+    w.scheduler_proof = t;
   }
   if (j.contains("replicas")) DSYNC_RETURN_IF_ERROR(Field(j, "replicas", &w.replicas));
   if (j.contains("servers_lost")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_lost", &w.servers_lost));

@@ -35,6 +35,7 @@ struct Hello {
   bool rejoin = false;
   Round rounds_received = 0;
   Round rounds_applied = 0;
+  Tag nonce{};  // rejoin: the scheduler's answer proves it holds the job key over this
 };
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(std::span<const std::byte> meta);
@@ -88,6 +89,8 @@ struct Welcome {
   // The scheduler journals its decisions: a node that loses it waits this long for it to be
   // restarted from its journal and rejoins (0: the job cannot outlive its scheduler).
   uint32_t reconnect_grace_ms = 0;
+  // The answer to a rejoin: SchedulerProof(job key, the node, the hello's nonce).
+  std::optional<Tag> scheduler_proof;
 };
 std::string EncodeWelcome(const Welcome& welcome);
 Result<Welcome> DecodeWelcome(std::span<const std::byte> meta);

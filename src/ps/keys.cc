@@ -19,7 +19,12 @@ void InitSodium() {
 }
 
 // What each tag is of: the first word of every PRF input, so no two kinds of tag collide.
-enum class Domain : uint64_t { kClientCredential = 1, kServerProof = 2, kReceipt = 3 };
+enum class Domain : uint64_t {
+  kClientCredential = 1,
+  kServerProof = 2,
+  kReceipt = 3,
+  kSchedulerProof = 4,
+};
 
 template <size_t N>
 Tag Prf(const JobKey& key, Domain domain, const std::array<uint64_t, N>& fields) {
@@ -84,6 +89,20 @@ Tag ClientCredential(const JobKey& key, NodeId id, bool observer) {
 
 Tag ServerProof(const JobKey& key, NodeId server, NodeId client) {
   return Prf<2>(key, Domain::kServerProof, {server, client});
+}
+
+Tag SchedulerProof(const JobKey& secret, NodeId node, const Tag& nonce) {
+  uint64_t lo, hi;
+  std::memcpy(&lo, nonce.data(), sizeof lo);
+  std::memcpy(&hi, nonce.data() + sizeof lo, sizeof hi);
+  return Prf<3>(secret, Domain::kSchedulerProof, {node, lo, hi});
+}
+
+Tag RandomNonce() {
+  InitSodium();
+  Tag t;
+  randombytes_buf(t.data(), t.size());
+  return t;
 }
 
 Tag Receipt(const JobKey& key, const ReceiptFields& f) {

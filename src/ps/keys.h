@@ -55,6 +55,13 @@ inline void XorInto(Tag& acc, const Tag& t) {
 Tag ClientCredential(const JobKey& key, NodeId id, bool observer);
 // What server `server` presents to client `client` to prove it is that server of this job.
 Tag ServerProof(const JobKey& key, NodeId server, NodeId client);
+// What a scheduler restarted from its journal answers node `node`'s rejoin with, `nonce`
+// being the node's, keyed by what both hold: the job key (a server) or the node's credential
+// (a worker). A node never takes an impostor that took the scheduler's address for its
+// scheduler.
+Tag SchedulerProof(const JobKey& secret, NodeId node, const Tag& nonce);
+// A fresh random nonce (libsodium's CSPRNG).
+Tag RandomNonce();
 
 // The receipt of server `server` for worker `w`'s gradient of `clock` on tensor `tensor`,
 // cut into `slices` slices placed from server rank `first_rank` on: every slice of it that

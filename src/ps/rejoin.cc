@@ -1,7 +1,10 @@
 #include "ps/rejoin.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 
+#include "ps/keys.h"
 #include "ps/protocol.h"
 #include "ps/rendezvous.h"
 
@@ -16,6 +19,16 @@ bool RejoinState::Lost(const std::string& why) {
   return true;
 }
 
+bool RejoinState::Proven(const Welcome& welcome, const JobKey& secret, NodeId self) const {
+  if (welcome.scheduler_proof && TagsEqual(*welcome.scheduler_proof, SchedulerProof(secret, self, nonce))) {
+    return true;
+  }
+  spdlog::warn("node {}: what answers at the scheduler's address did not prove it is this job's "
+               "scheduler; trying again",
+               self);
+  return false;
+}
+
 Status RunRejoin(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
                  Transport& transport, const Config& config, uint32_t grace_ms, NodeId self,
                  RejoinState& state, const std::function<bool()>& ended,
@@ -23,15 +36,18 @@ Status RunRejoin(std::unique_lock<std::mutex>& lock, std::condition_variable& cv
   using SteadyClock = std::chrono::steady_clock;
   const auto grace = std::chrono::milliseconds(grace_ms);
   Status result;
-  while (state.lost && !ended() && state.answer != RejoinState::Answer::kRefused) {
+  while (state.lost && !ended()) {
     const auto deadline = state.lost_at + grace;
     const auto now = SteadyClock::now();
     if (now >= deadline) {
       result = Error(StatusCode::kUnavailable,
                      "lost the scheduler ({}), and it did not come back within the reconnect "
                      "grace of {} s (--reconnect-grace): restart it with --resume and its "
-                     "journal sooner, or raise the grace",
-                     state.what, grace_ms / 1000);
+                     "journal sooner, or raise the grace{}",
+                     state.what, grace_ms / 1000,
+                     state.refusal.ok() ? std::string()
+                                        : "; what answers at its address refused this node: " +
+                                              state.refusal.message());
       break;
     }
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
@@ -45,17 +61,24 @@ Status RunRejoin(std::unique_lock<std::mutex>& lock, std::condition_variable& cv
     }
     state.answer = RejoinState::Answer::kNone;
     state.peer = *peer;
-    const std::string text = EncodeHello(hello());
+    state.nonce = RandomNonce();
+    Hello h = hello();
+    h.nonce = state.nonce;
+    const std::string text = EncodeHello(h);
     lock.unlock();
-    (void)transport.Send(*peer, MakeHeader(MsgType::kHello, self), AsBytes(text), nullptr, 0);
+    // A connection closed before state.peer named it was not seen closing: the send fails.
+    const Status sent =
+        transport.Send(*peer, MakeHeader(MsgType::kHello, self), AsBytes(text), nullptr, 0);
     lock.lock();
+    if (!sent.ok()) state.answer = RejoinState::Answer::kCut;
     // The answer waits for the scheduler's journal to be on disk: as long as the connection
     // lasts, until the grace is over.
     cv.wait_until(lock, deadline,
                   [&] { return ended() || state.answer != RejoinState::Answer::kNone; });
     if (state.answer == RejoinState::Answer::kWelcomed) continue;  // back, unless lost again
     state.peer = kNoPeer;
-    if (state.answer != RejoinState::Answer::kRefused) transport.Close(*peer);
+    transport.Close(*peer);
+    cv.wait_for(lock, std::chrono::milliseconds(kRejoinRetryMs), ended);
   }
   state.looping = false;
   return result;

@@ -268,6 +268,11 @@ std::vector<RoundRecord> RoundRule::CloseReady() {
   return out;
 }
 
+std::optional<Version> RoundRule::begun(WorkerId w) const {
+  auto it = workers_.find(w);
+  return it == workers_.end() ? std::nullopt : it->second.begun;
+}
+
 std::optional<RoundRecord> RoundRule::CloseNext() {
   if (RoundMode()) {
     if (!MayClose(open_round_)) return std::nullopt;

@@ -113,6 +113,8 @@ class RoundRule {
   uint32_t live_workers() const;
   bool has_queued() const;
   bool is_live(WorkerId w) const;
+  // The base w reported for the gradient it computes now (Begin), if any.
+  std::optional<Version> begun(WorkerId w) const;
   const RuleStats& stats() const { return stats_; }
 
  private:

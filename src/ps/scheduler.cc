@@ -75,7 +75,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       flush_cv_.notify_all();
     }
     if (monitor_.joinable()) monitor_.join();
-    if (flusher_.joinable()) flusher_.join();
+    if (flusher_.joinable()) {
+      // A flusher stuck in a write that never returns cannot be joined; the process that
+      // stops here exits (the role's main returns).
+      if (journal_stuck_) {
+        flusher_.detach();
+      } else {
+        flusher_.join();
+      }
+    }
     transport_->Shutdown();
   }
 
@@ -598,6 +606,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       case MsgType::kHeartbeat:
         return;
       case MsgType::kBegin: {
+        const std::optional<Version> before = rule_.begun(id);
         Status s = rule_.Begin(id, h.clock(), h.base());
         if (!s.ok()) {
           Expel(peer, id, h, s);
@@ -605,7 +614,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         }
         wit->second.begun_clock = h.clock();
         wit->second.begun_at = wit->second.last_seen;
-        if (journal_.open()) {
+        if (journal_.open() && rule_.begun(id) != before) {  // what changed nothing, twice
           journal_.Add({{"k", "begin"}, {"w", id}, {"c", h.clock()}, {"b", h.base()}});
         }
         Progress();
@@ -1275,6 +1284,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       journal_.Take(bytes);
       sends.swap(outbox_);
       flushing_ = true;
+      flush_started_ = SteadyClock::now();
       const bool write = !journal_failed_;
       const bool crash = std::exchange(crash_after_write_, false);
       lock.unlock();
@@ -1325,9 +1335,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   }
   static bool JournaledSetting(const Setting& st) {
     if (st.scope != SettingScope::kJob && st.scope != SettingScope::kCluster) return false;
+    // The grace is the job's: its nodes count with the value their welcome gave them.
     return st.env != "DSYNC_RESUME" && st.env != "DSYNC_JOURNAL" &&
-           st.env != "DSYNC_RECONNECT_GRACE" && st.env != "DSYNC_AUDIT_LOG" &&
-           st.env != "DSYNC_TEST_CRASH_AFTER_ROUND";
+           st.env != "DSYNC_AUDIT_LOG" && st.env != "DSYNC_TEST_CRASH_AFTER_ROUND";
   }
 
   Status StartJournal() {
@@ -1607,7 +1617,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     EncodeRound(round_entries_, meta_buf_);
     if (!cfg_.journal.empty()) {
       recent_rounds_.emplace_back(rec.round, meta_buf_);
-      if (recent_rounds_.size() > kMaxHistory) recent_rounds_.pop_front();
+      if (recent_rounds_.size() > kMaxResendRounds) recent_rounds_.pop_front();
     }
     if (audit) AuditRound(rec);
     gradients_in_rounds_ += rec.members.size();
@@ -1653,7 +1663,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       s->applied = hello.rounds_applied;
       peers_[peer] = {PeerKind::kServer, s->id};
       Welcome w = JobWelcome(s->id);
-      w.reconnect_grace_ms = cfg_.reconnect_grace_ms;
+      w.scheduler_proof = SchedulerProof(job_key_, s->id, hello.nonce);
       Send(peer, ack, AsBytes(EncodeWelcome(w)));
       // What it missed, in order: the learning rate, the rounds, the workers gone (it drops
       // what they staged for clocks they never committed; a second time changes nothing).
@@ -1699,7 +1709,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.address = transport_->PeerAddress(peer);
     peers_[peer] = {PeerKind::kWorker, hello.node};
     Welcome welcome = ClientWelcome(hello.node, false);
-    welcome.reconnect_grace_ms = cfg_.reconnect_grace_ms;
+    // A worker holds no job key: its credential is the secret the two share.
+    welcome.scheduler_proof =
+        SchedulerProof(ClientCredential(job_key_, hello.node, false), hello.node, hello.nonce);
     Send(peer, ack, AsBytes(EncodeWelcome(welcome)));
     if (auto g = last_gate_.find(hello.node); g != last_gate_.end()) {
       FrameHeader gh = MakeHeader(MsgType::kGate, kSchedulerId);
@@ -1879,6 +1891,17 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                        WaitingFor(), cfg_.start_timeout_ms));
         }
       }
+      if (flushing_ && !journal_failed_ &&
+          now - flush_started_ > std::chrono::seconds(kJournalStallSeconds)) {
+        journal_failed_ = true;
+        journal_stuck_ = true;
+        final_frames_in_flight_ = 0;  // nothing leaves any more
+        Finish(Error(StatusCode::kUnavailable,
+                     "writing the journal {} has not finished for {} s: its disk does not "
+                     "answer, and every decision waits for it; the job stops (start the "
+                     "scheduler again with --resume {} once the disk answers)",
+                     cfg_.journal, kJournalStallSeconds, cfg_.journal));
+      }
       if (observers_told_) CheckFinished();  // the observers' grace period may be over
       if (stopping_ && !stop_ && now > stop_deadline_) {
         EndStopping(!salvage_.ok()
@@ -1940,6 +1963,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   SchedulerStats counters_;
   // The newest decisions, for tests and diagnostics; the audit log keeps all of them.
   static constexpr size_t kMaxHistory = size_t{1} << 16;
+  // Rounds a restarted scheduler can send again: a server misses those that were on their way
+  // when the scheduler was lost (a server further behind is lost at its rejoin).
+  static constexpr size_t kMaxResendRounds = 4096;
   std::deque<RoundRecord> history_;
   AuditLog audit_;
   std::vector<std::byte> meta_buf_;
@@ -1973,6 +1999,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   bool flushing_ = false;        // the flusher is writing or sending a batch
   bool journal_failed_ = false;  // a write failed: the job ended
   bool crash_after_write_ = false;  // Config::test_crash_after_round is in the batch
+  SteadyClock::time_point flush_started_;  // of the batch being written
+  bool journal_stuck_ = false;             // its write did not return: kJournalStallSeconds
   std::thread flusher_;
   // Restarted from a journal: nodes not back yet (away) have until this deadline.
   bool restarted_ = false;

@@ -1,6 +1,7 @@
 #include "ps/scheduler_journal.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -135,6 +136,14 @@ Result<JournalFile> JournalFile::OpenToAppend(const std::string& path, int flags
   JournalFile f;
   f.fd_ = fd;
   f.path_ = path;
+  // One scheduler writes a journal: a second one (a restart while the old process still
+  // runs, hung or cut off) would interleave its records with the first's.
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    return Error(StatusCode::kAlreadyExists,
+                 "{} {}: another scheduler has this journal open; stop it first (a scheduler "
+                 "that still runs is not lost)",
+                 what, path);
+  }
   return f;
 }
 
@@ -166,7 +175,8 @@ Result<JournalFile> JournalFile::Continue(const std::string& path, const Journal
 }
 
 void JournalFile::Add(const nlohmann::json& record) {
-  const std::string text = record.dump();
+  // Messages may carry a peer's bytes: replaced where they are not UTF-8, never thrown on.
+  const std::string text = record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   StoreU32(buffer_, static_cast<uint32_t>(text.size()));
   StoreU32(buffer_, Crc(text));
   buffer_.insert(buffer_.end(), text.begin(), text.end());

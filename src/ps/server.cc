@@ -690,6 +690,12 @@ class ServerNode final : public Server, public TransportHandler {
   void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     std::lock_guard lock(mu_);
     if (h.msg_type() == MsgType::kHelloAck) {
+      auto w = DecodeWelcome(meta);
+      if (!w.ok() || !rejoin_.Proven(*w, *job_.job_key, id_)) {
+        rejoin_.answer = RejoinState::Answer::kCut;  // not the job's scheduler: tried again
+        cv_.notify_all();
+        return;
+      }
       scheduler_ = peer;
       rejoin_.peer = kNoPeer;
       rejoin_.answer = RejoinState::Answer::kWelcomed;
@@ -703,9 +709,10 @@ class ServerNode final : public Server, public TransportHandler {
         (void)SendControl(*transport_, peer, done);
       }
     } else if (h.msg_type() == MsgType::kError) {
-      rejoin_.answer = RejoinState::Answer::kRefused;
-      result_ = ErrorFromFrame(h, meta).WithContext("the restarted scheduler refused this server");
-      spdlog::error("server {}: {}", id_.load(), result_.message());
+      rejoin_.answer = RejoinState::Answer::kCut;
+      rejoin_.refusal = ErrorFromFrame(h, meta);
+      spdlog::warn("server {}: refused at the scheduler's address ({}); trying again",
+                   id_.load(), rejoin_.refusal.message());
     }
     cv_.notify_all();
   }

@@ -569,9 +569,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     const std::string who = peer == scheduler_ ? std::string("the scheduler")
                                                : fmt::format("server {}", server_ids_[peer]);
     if (away_ && peer != scheduler_ && RankOf(peer) == kNoRank) {
-      return;  // a rejoin's connection, ended before its attempt knew it: the attempt retries
+      return;  // a rejoin's connection, closed before its attempt named it: its send fails
     }
-    if (peer != scheduler_ && away_) {
+    if (peer != scheduler_ && away_ && replicas_ <= 1) {
       // Servers wait for a lost scheduler as long as workers do: this one stopped waiting.
       Break(Error(StatusCode::kUnavailable,
                   "lost the connection to {} ({}) while the scheduler was lost: the job's nodes "
@@ -660,15 +660,16 @@ class WorkerNode final : public Worker, public TransportHandler {
   // answered goes again (it answers a commit it has as the lost one did).
   void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     if (h.msg_type() == MsgType::kError) {
-      rejoin_.answer = RejoinState::Answer::kRefused;
-      Break(ErrorFromFrame(h, meta).WithContext("the restarted scheduler refused this worker"));
+      rejoin_.answer = RejoinState::Answer::kCut;
+      rejoin_.refusal = ErrorFromFrame(h, meta);
+      spdlog::warn("worker {}: refused at the scheduler's address ({}); trying again",
+                   job_.worker_id, rejoin_.refusal.message());
       return;
     }
     if (h.msg_type() != MsgType::kHelloAck) return;
     auto w = DecodeWelcome(meta);
-    if (!w.ok()) {
-      rejoin_.answer = RejoinState::Answer::kRefused;
-      Break(w.status().WithContext("the restarted scheduler's answer"));
+    if (!w.ok() || !rejoin_.Proven(*w, credential_, job_.worker_id)) {
+      rejoin_.answer = RejoinState::Answer::kCut;  // not the job's scheduler: tried again
       return;
     }
     scheduler_ = peer;
