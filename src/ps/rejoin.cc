@@ -29,6 +29,28 @@ bool RejoinState::Proven(const Welcome& welcome, const JobKey& secret, NodeId se
   return false;
 }
 
+std::optional<Welcome> RejoinState::TakeAnswer(const FrameHeader& h,
+                                               std::span<const std::byte> meta,
+                                               const JobKey& secret, NodeId self) {
+  if (h.msg_type() == MsgType::kError) {
+    answer = Answer::kCut;
+    refusal = ErrorFromFrame(h, meta);
+    spdlog::warn("node {}: refused at the scheduler's address ({}); trying again", self,
+                 refusal.message());
+    return std::nullopt;
+  }
+  if (h.msg_type() != MsgType::kHelloAck) return std::nullopt;
+  auto w = DecodeWelcome(meta);
+  if (!w.ok() || !Proven(*w, secret, self)) {
+    answer = Answer::kCut;  // not the job's scheduler: tried again
+    return std::nullopt;
+  }
+  peer = kNoPeer;
+  answer = Answer::kWelcomed;
+  lost = false;
+  return std::move(w).value();
+}
+
 Status RunRejoin(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
                  Transport& transport, const Config& config, uint32_t grace_ms, NodeId self,
                  RejoinState& state, const std::function<bool()>& ended,

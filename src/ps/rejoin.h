@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 
 #include "dsync/config.h"
@@ -34,6 +36,11 @@ struct RejoinState {
   // Whether a welcome proves it comes from the job's scheduler (`secret`: the job key for a
   // server, the credential for a worker). Says so when it does not.
   bool Proven(const Welcome& welcome, const JobKey& secret, NodeId self) const;
+  // A frame on the attempt's connection. The job's scheduler's welcome ends the attempt (the
+  // node is back; its welcome is returned). A refusal, or a welcome without the proof, makes
+  // the attempt fail and the next one begin; anything else is ignored.
+  std::optional<Welcome> TakeAnswer(const FrameHeader& h, std::span<const std::byte> meta,
+                                    const JobKey& secret, NodeId self);
 
   // The scheduler's connection ended: true when a rejoin thread must be started (none runs;
   // a running one goes on, with the grace counted from now).

@@ -647,12 +647,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (restarted_ && entry.last_ack && entry.last_ack->clock == h.clock()) {
       // Sent again by a worker that lost the scheduler before the answer came: the restarted
       // scheduler has it from the journal, and answers as the lost one did.
-      FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
-      ack.request = h.request;
-      ack.set_round(entry.last_ack->round);
-      ack.set_min_version(entry.last_ack->gate);
-      if (budget_spent_) ack.flags |= kFlagStop;
-      Send(peer, ack);
+      Send(peer, CommitAck(h.request, *entry.last_ack));
       spdlog::info("scheduler: worker {} sent its commit of clock {} again (the lost "
                    "scheduler's answer did not reach it); answered as before",
                    id, h.clock());
@@ -701,22 +696,26 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       journal_.Add({{"k", "commit"}, {"w", id}, {"c", h.clock()}, {"b", h.base()},
                     {"e", empty}, {"t", std::move(runs)}});
     }
-    FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
-    ack.request = h.request;
-    ack.set_round(r->round);
-    ack.set_min_version(r->gate.value_or(kNoGate));
-    if (cfg_.max_gradients &&
+    if (cfg_.max_gradients && !budget_spent_ &&
         prior_gradients_ + rule_.stats().gradients_committed >= cfg_.max_gradients) {
-      if (!budget_spent_) {
-        budget_spent_ = true;
-        spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
-                     "workers to stop",
-                     rule_.stats().gradients_committed);
-      }
-      ack.flags |= kFlagStop;
+      budget_spent_ = true;
+      spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
+                   "workers to stop",
+                   rule_.stats().gradients_committed);
     }
-    Send(peer, ack);
+    Send(peer, CommitAck(h.request, *entry.last_ack));
     Progress();
+  }
+
+  // The answer to a commit: its round, the lowest version of the next clock's pulls, and
+  // whether the job's budget is spent (every commit from then on tells its worker to stop).
+  FrameHeader CommitAck(uint64_t request, const CommitAnswer& answer) const {
+    FrameHeader ack = MakeHeader(MsgType::kCommitAck, kSchedulerId);
+    ack.request = request;
+    ack.set_round(answer.round);
+    ack.set_min_version(answer.gate);
+    if (budget_spent_) ack.flags |= kFlagStop;
+    return ack;
   }
 
   // The new rate applies from the first round no server has been told of yet, so that every
@@ -891,8 +890,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     DropServer(s, what);
-    servers_lost_.push_back(id);
-    left_out_.push_back(std::move(lost));
+    RecordLoss(s, std::move(lost));
     if (journal_.open()) journal_.Add({{"k", "lost"}, {"id", id}});
     FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
     gone.set_gone_server(id);
@@ -907,7 +905,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         transport_->Close(peer);
       }
     });
-    ++counters_.servers_lost;
     spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
                  "on with {} of {} server(s)",
                  id, what, servers_.size() - servers_lost_.size(), servers_.size());
@@ -918,6 +915,14 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // every slice it held (they apply the same rounds).
     if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
     Progress();
+  }
+
+  // Server `s` is the next lost one; `lost`: by rank, every server lost now (left_out_).
+  void RecordLoss(ServerEntry& s, std::vector<bool> lost) {
+    s.lost = true;
+    servers_lost_.push_back(s.id);
+    left_out_.push_back(std::move(lost));
+    ++counters_.servers_lost;
   }
 
   // Server `s` is out of the job: marked lost, what it sent before is ignored, and the audit
@@ -1522,10 +1527,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       DSYNC_ASSIGN_OR_RETURN(ServerEntry * s, JournaledServer(r.at("id").get<NodeId>()));
       std::vector<bool> lost = left_out_.back();
       lost[ServerRank(s->id)] = true;
-      s->lost = true;
-      servers_lost_.push_back(s->id);
-      left_out_.push_back(std::move(lost));
-      ++counters_.servers_lost;
+      RecordLoss(*s, std::move(lost));
       return Status::Ok();
     }
     if (kind == "lr") {

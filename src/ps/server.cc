@@ -689,17 +689,8 @@ class ServerNode final : public Server, public TransportHandler {
   // connection are the scheduler's (the rounds this server missed follow at once).
   void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
     std::lock_guard lock(mu_);
-    if (h.msg_type() == MsgType::kHelloAck) {
-      auto w = DecodeWelcome(meta);
-      if (!w.ok() || !rejoin_.Proven(*w, *job_.job_key, id_)) {
-        rejoin_.answer = RejoinState::Answer::kCut;  // not the job's scheduler: tried again
-        cv_.notify_all();
-        return;
-      }
+    if (rejoin_.TakeAnswer(h, meta, *job_.job_key, id_)) {
       scheduler_ = peer;
-      rejoin_.peer = kNoPeer;
-      rejoin_.answer = RejoinState::Answer::kWelcomed;
-      rejoin_.lost = false;
       spdlog::info("server {}: back with the restarted scheduler; it goes on from round {}",
                    id_.load(), next_round_in_);
       // Rounds applied since the hello was written were reported to the lost scheduler.
@@ -708,11 +699,6 @@ class ServerNode final : public Server, public TransportHandler {
         done.set_round(applied - 1);
         (void)SendControl(*transport_, peer, done);
       }
-    } else if (h.msg_type() == MsgType::kError) {
-      rejoin_.answer = RejoinState::Answer::kCut;
-      rejoin_.refusal = ErrorFromFrame(h, meta);
-      spdlog::warn("server {}: refused at the scheduler's address ({}); trying again",
-                   id_.load(), rejoin_.refusal.message());
     }
     cv_.notify_all();
   }

@@ -659,23 +659,9 @@ class WorkerNode final : public Worker, public TransportHandler {
   // scheduler's. Losses of servers it announced meanwhile are taken, and the commit it never
   // answered goes again (it answers a commit it has as the lost one did).
   void OnRejoinAnswer(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
-    if (h.msg_type() == MsgType::kError) {
-      rejoin_.answer = RejoinState::Answer::kCut;
-      rejoin_.refusal = ErrorFromFrame(h, meta);
-      spdlog::warn("worker {}: refused at the scheduler's address ({}); trying again",
-                   job_.worker_id, rejoin_.refusal.message());
-      return;
-    }
-    if (h.msg_type() != MsgType::kHelloAck) return;
-    auto w = DecodeWelcome(meta);
-    if (!w.ok() || !rejoin_.Proven(*w, credential_, job_.worker_id)) {
-      rejoin_.answer = RejoinState::Answer::kCut;  // not the job's scheduler: tried again
-      return;
-    }
+    const std::optional<Welcome> w = rejoin_.TakeAnswer(h, meta, credential_, job_.worker_id);
+    if (!w) return;
     scheduler_ = peer;
-    rejoin_.peer = kNoPeer;
-    rejoin_.answer = RejoinState::Answer::kWelcomed;
-    rejoin_.lost = false;
     away_ = false;
     spdlog::info("worker {}: back with the restarted scheduler", job_.worker_id);
     for (uint32_t i = 0; i < w->servers_lost.size(); ++i) OnServerLost(w->servers_lost[i], i + 1);
