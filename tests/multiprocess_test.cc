@@ -671,6 +671,82 @@ TEST_F(MultiProcess, WithTwoCopiesAJobOutlivesAKilledAndAHungServerExactly) {
   for (const json& r : rounds) EXPECT_EQ(r["members"].size(), 3u) << r.dump();
 }
 
+// A lost server's copies exist again once a new `dsyncps server` takes its place: the job
+// runs on throughout, the new server gets its rank's slices as copies from the others, and
+// the proof that they are whole is that the job then outlives losing the server next to it
+// (which held the only other copy of some slices), ending exact with equal copies.
+TEST_F(MultiProcess, ANewServerTakesALostOnesPlaceAndTheJobOutlivesLosingItsNeighbour) {
+  for (const std::string sync : {"bsp", "dsync:2,1"}) {
+    SCOPED_TRACE(sync);
+    fs::remove_all(dir_ / "dump");
+    fs::create_directories(dir_ / "dump");
+    fs::remove(dir_ / "audit.jsonl");
+    const uint32_t iters = 1500;
+    RoleJob job(dir_, 3, 3, {"--iters", std::to_string(iters), "--compute-ms", "5"},
+                {{"DSYNC_REPLICAS", "2"},
+                 {"DSYNC_SYNC", sync},
+                 {"DSYNC_DUMP_MODEL", (dir_ / "dump").string()},
+                 {"DSYNC_AUDIT_LOG", (dir_ / "audit.jsonl").string()}});
+    ASSERT_TRUE(job.workers[2]->WaitForOutput("joined", 20s)) << job.workers[2]->Output();
+    std::map<uint32_t, Proc*> by_id;
+    for (auto& s : job.servers) {
+      std::smatch m;
+      const std::string out = s->Output();
+      ASSERT_TRUE(std::regex_search(out, m, std::regex("server (\\d+) listening"))) << out;
+      by_id[static_cast<uint32_t>(std::stoul(m[1]))] = s.get();
+    }
+    ASSERT_EQ(by_id.size(), 3u);
+    std::this_thread::sleep_for(500ms);
+    by_id[2]->Signal(SIGKILL);
+    ASSERT_TRUE(job.scheduler->WaitForOutput("server 2 disconnected", 20s))
+        << job.scheduler->Output();
+    Proc fresh({DSYNC_BINARY, "server"}, job.env, dir_ / "server-new.log");
+    ASSERT_TRUE(fresh.WaitForOutput("holds the copies of rank 1 at version", 60s))
+        << fresh.Output() << job.scheduler->Output();
+    std::this_thread::sleep_for(500ms);
+    // Ranks 1 and 2 hold the only copies of the slices whose primary is rank 1.
+    by_id[3]->Signal(SIGKILL);
+    uint64_t total = 0;
+    for (auto& w : job.workers) {
+      EXPECT_EQ(w->Wait(120s), 0) << w->Output();
+      EXPECT_NE(w->Output().find("took the place of the lost server of rank 1"),
+                std::string::npos)
+          << w->Output();
+      total += Completed(w->Output(), false);
+    }
+    EXPECT_EQ(job.scheduler->Wait(30s), 0) << job.scheduler->Output();
+    EXPECT_EQ(fresh.Wait(30s), 0) << fresh.Output();
+    EXPECT_EQ(by_id[1]->Wait(30s), 0) << by_id[1]->Output();
+    const std::string sched = job.scheduler->Output();
+    EXPECT_NE(sched.find("server 2 holds the copies of rank 1 again"), std::string::npos) << sched;
+    EXPECT_NE(sched.find("server 3 disconnected"), std::string::npos) << sched;
+    EXPECT_EQ(total, 3u * iters);
+    ExpectModelCount(total, 2);
+    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
+    for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
+      json j = json::parse(std::ifstream(entry.path()));
+      for (const json& s : j["slices"]) {
+        copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
+            s["crc32"].get<uint64_t>());
+      }
+    }
+    size_t compared = 0;
+    for (const auto& [key, crcs] : copies) {
+      compared += crcs.size() > 1 ? 1 : 0;
+      for (uint64_t crc : crcs) {
+        EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
+      }
+    }
+    EXPECT_GT(compared, 0u) << "the slices whose primary is rank 0 keep both copies";
+    const auto rounds = CheckAudit(sync == "bsp" ? 0 : 2);
+    if (sync == "bsp") {
+      EXPECT_EQ(rounds.size(), iters);
+      for (const json& r : rounds) EXPECT_EQ(r["members"].size(), 3u) << r.dump();
+    }
+    if (HasFailure()) break;
+  }
+}
+
 TEST_F(MultiProcess, ClearErrorsForBadSetups) {
   {
     Proc p({DSYNC_BINARY, "scheduler", "--sync", "dsync:x"}, {}, dir_ / "a.log");

@@ -76,7 +76,13 @@ TEST(FrameHeader, EachMessageReadsItsOwnNamedFields) {
   EXPECT_EQ(commit.clock(), 9u);
   EXPECT_EQ(commit.base(), 8u);
   EXPECT_EQ(commit.losses(), 1u);
-  EXPECT_EQ(kProtocolVersion, 5u) << "the wire changed: replicated slices";
+  FrameHeader back = MakeHeader(MsgType::kServerBackAck, 1000);
+  back.set_backs(2);
+  back.set_next_clock(17);
+  EXPECT_EQ(back.backs(), 2u);
+  EXPECT_EQ(back.next_clock(), 17u);
+  EXPECT_EQ(MsgTypeName(MsgType::kCopyOut), "copy-out");
+  EXPECT_EQ(kProtocolVersion, 6u) << "the wire changed: lost copies recreated";
 }
 
 TEST(FrameHeader, StrangersMaySendOneSmallHelloOnly) {

@@ -203,6 +203,72 @@ TEST(Replicas, ABspJobThatLosesAServerEndsWithTheSameModelBitForBit) {
   fs::remove_all(lost);
 }
 
+// A new server takes the place of a lost one in the middle of a bsp job (Adam with weight
+// decay: every element's state depends on every round): the others copy it the rank's slices
+// with their optimizer state, and it applies the rounds from there. That the copies are
+// whole shows when the server next to it is lost too: the slices it shared with the lost
+// one live only on the new server then, and the job still ends with the model of the job
+// that lost nothing, bit for bit, every copy alike.
+TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
+  const fs::path ref = FreshDir("takeover-ref"), dump = FreshDir("takeover");
+  const JobResult through = RunJob(ReplicaJobConfig(3, 1, ref));
+  ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
+  std::unique_ptr<Server> fresh;
+  std::thread fresh_run;
+  Status fresh_result = Error(StatusCode::kInternal, "never ran");
+  const JobResult got =
+      RunJob(ReplicaJobConfig(3, 2, dump), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
+        if (rank != 0) return;
+        if (c == 5) cluster.server(1).Stop();  // rank 1
+        if (c == 8) {
+          Config sc = cluster.WorkerConfig();
+          sc.role = Role::kServer;
+          sc.port = 0;
+          auto s = Server::Start(sc);
+          ASSERT_TRUE(s.ok()) << s.status().ToString();
+          fresh = std::move(s).value();
+          fresh_run = std::thread([&] { fresh_result = fresh->Run(); });
+        }
+        if (c == 16) {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+          while (cluster.scheduler().stats().servers_restored == 0 &&
+                 std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          ASSERT_EQ(cluster.scheduler().stats().servers_restored, 1u);
+          cluster.server(2).Stop();  // rank 2: with rank 1, the copies of rank 1's primaries
+        }
+      });
+  ASSERT_TRUE(fresh_run.joinable());
+  fresh_run.join();
+  EXPECT_TRUE(fresh_result.ok()) << fresh_result.ToString();
+  ASSERT_TRUE(got.finished.ok()) << got.finished.ToString();
+  ExpectSameModel(got, through, "a server lost, another taking its place, then its neighbour lost");
+  EXPECT_EQ(got.stats.servers_lost, 2u);
+  EXPECT_EQ(got.stats.servers_restored, 1u);
+  EXPECT_EQ(got.stats.rounds_closed, kClocks);
+  // The lost servers wrote their dumps when they stopped: only the two that ran to the end
+  // (rank 0 and the new rank 1) count, and they hold equal copies.
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dump)) {
+    json j = json::parse(std::ifstream(e.path()));
+    if (j["rounds"].get<uint64_t>() == kClocks) {
+      ++files;
+    } else {
+      fs::remove(e.path());
+    }
+  }
+  EXPECT_EQ(files, 2u);
+  size_t both = 0;
+  for (const auto& [key, crcs] : Copies(dump)) {
+    both += crcs.size() == 2 ? 1 : 0;
+    for (uint64_t crc : crcs) EXPECT_EQ(crc, crcs.front()) << "slice " << key.second;
+  }
+  EXPECT_GT(both, 0u);
+  fs::remove_all(ref);
+  fs::remove_all(dump);
+}
+
 // Two of three servers lost with two copies of each slice: some slice has no copy left, and
 // the job ends saying so instead of serving a partial model.
 TEST(Replicas, LosingEveryCopyOfASliceEndsTheJobSayingSo) {

@@ -148,6 +148,17 @@ inline constexpr uint32_t kRejoinRetryMs = 200;
 // the job: every decision waits for it, and a disk that does not answer would hold the job
 // forever while every heartbeat still flows.
 inline constexpr uint32_t kJournalStallSeconds = 30;
+// A server that takes a lost rank's place must hold every copy of that rank within this long
+// of its registration (the workers reach it, the rounds before the copies' version are sent,
+// the others send the copies); else it is declared lost again and the job goes on without it.
+inline constexpr uint32_t kTakeoverSeconds = 120;
+// What one kCopy frame carries at most (one slice more if a single slice is larger): the
+// copies a server sends travel in frames of about this size.
+inline constexpr uint64_t kCopyChunkBytes = 64ull << 20;
+// Until its copies are in, a server taking a lost rank over releases nothing it stages (the
+// rounds' version it can start from is not decided yet): it lets each worker stage this many
+// times its usual quota meanwhile.
+inline constexpr uint32_t kTakeoverStagingFactor = 4;
 
 struct Config {
   Role role = Role::kWorker;

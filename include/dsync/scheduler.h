@@ -20,6 +20,7 @@ struct SchedulerStats {
   uint32_t workers_left = 0;
   uint32_t workers_failed = 0;
   uint32_t servers_lost = 0;      // the job went on without them (Config::replicas)
+  uint32_t servers_restored = 0;  // new servers that took a lost rank over and hold its copies
   uint32_t max_staleness = 0;     // over every gradient placed in a round
   uint32_t policy_changes = 0;    // dsync:auto decisions that changed quorum or allowances
 };

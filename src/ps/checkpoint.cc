@@ -311,23 +311,16 @@ std::string CheckpointPath(const std::string& dir, Version version) {
 
 std::string ServerFileName(uint32_t rank) { return fmt::format("server-{}.ckpt", rank); }
 
-Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
-                                             const ServerCheckpoint& c) {
-  std::error_code ec;
-  if (fs::create_directories(checkpoint_dir, ec)) {
-    // The new directory's entry must be durable before older checkpoints are pruned.
-    DSYNC_RETURN_IF_ERROR(SyncDirectory(fs::path(checkpoint_dir).parent_path().string()));
-  }
-  if (ec) {
-    return Error(StatusCode::kUnavailable, "cannot create the checkpoint directory '{}': {}",
-                 checkpoint_dir, ec.message());
-  }
-  // The fixed fields and each slice's header go into one buffer; the floats are written
-  // from the snapshots where they are (no second copy of the model).
-  std::vector<std::byte> head;
-  std::vector<std::vector<std::byte>> slice_heads(c.slices.size());
+namespace {
+
+// A server file's bytes, in order: the fixed fields and each slice's header are encoded into
+// `heads`; the floats stay where the snapshots hold them (no second copy of the model). The
+// CRC-32 is the caller's to append.
+std::vector<std::span<const std::byte>> FileParts(const ServerCheckpoint& c,
+                                                  std::vector<std::vector<std::byte>>& heads) {
+  heads.assign(c.slices.size() + 1, {});
   {
-    MetaWriter w(head);
+    MetaWriter w(heads[0]);
     for (char ch : kMagic) w.Put(ch);
     w.Put(c.rank);
     w.Put(c.num_servers);
@@ -339,7 +332,7 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
   for (size_t i = 0; i < c.slices.size(); ++i) {
     const CheckpointSlice& s = c.slices[i];
     EncodeInit(s.meta, meta);
-    MetaWriter w(slice_heads[i]);
+    MetaWriter w(heads[i + 1]);
     w.Put(s.tensor);
     w.Put(s.slice);
     w.Put(s.replica);
@@ -347,21 +340,45 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
     w.Put(s.snapshot.steps);
     w.Put(static_cast<uint32_t>(s.snapshot.state.size()));
     w.Put(static_cast<uint32_t>(meta.size()));
-    slice_heads[i].insert(slice_heads[i].end(), meta.begin(), meta.end());
+    heads[i + 1].insert(heads[i + 1].end(), meta.begin(), meta.end());
   }
   std::vector<std::span<const std::byte>> parts;
-  parts.emplace_back(head);
+  parts.emplace_back(heads[0]);
   for (size_t i = 0; i < c.slices.size(); ++i) {
-    parts.emplace_back(slice_heads[i]);
+    parts.emplace_back(heads[i + 1]);
     parts.push_back(FloatBytes(c.slices[i].snapshot.params));
     for (const std::vector<float>& st : c.slices[i].snapshot.state) parts.push_back(FloatBytes(st));
   }
+  return parts;
+}
+
+uint32_t PartsCrc(const std::vector<std::span<const std::byte>>& parts, uint64_t* bytes) {
   uint32_t crc = Crc(0, nullptr, 0);
-  uint64_t bytes = 0;
+  *bytes = 0;
   for (std::span<const std::byte> p : parts) {
     crc = Crc(crc, p.data(), p.size());
-    bytes += p.size();
+    *bytes += p.size();
   }
+  return crc;
+}
+
+}  // namespace
+
+Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
+                                             const ServerCheckpoint& c) {
+  std::error_code ec;
+  if (fs::create_directories(checkpoint_dir, ec)) {
+    // The new directory's entry must be durable before older checkpoints are pruned.
+    DSYNC_RETURN_IF_ERROR(SyncDirectory(fs::path(checkpoint_dir).parent_path().string()));
+  }
+  if (ec) {
+    return Error(StatusCode::kUnavailable, "cannot create the checkpoint directory '{}': {}",
+                 checkpoint_dir, ec.message());
+  }
+  std::vector<std::vector<std::byte>> heads;
+  std::vector<std::span<const std::byte>> parts = FileParts(c, heads);
+  uint64_t bytes = 0;
+  const uint32_t crc = PartsCrc(parts, &bytes);
   std::array<std::byte, sizeof(uint32_t)> tail;
   std::memcpy(tail.data(), &crc, sizeof(crc));
   parts.emplace_back(tail);
@@ -374,11 +391,30 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
   return f;
 }
 
+std::vector<std::byte> SerializeServerCheckpoint(const ServerCheckpoint& c) {
+  std::vector<std::vector<std::byte>> heads;
+  const std::vector<std::span<const std::byte>> parts = FileParts(c, heads);
+  uint64_t bytes = 0;
+  const uint32_t crc = PartsCrc(parts, &bytes);
+  std::vector<std::byte> out;
+  out.reserve(bytes + sizeof(crc));
+  for (std::span<const std::byte> p : parts) out.insert(out.end(), p.begin(), p.end());
+  const auto* c8 = reinterpret_cast<const std::byte*>(&crc);
+  out.insert(out.end(), c8, c8 + sizeof(crc));
+  return out;
+}
+
 Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
                                               std::optional<uint32_t> expected_crc) {
   DSYNC_ASSIGN_OR_RETURN(std::vector<std::byte> data, ReadWhole(path, ~0ull));
-  const auto corrupt = [&](std::string_view what) {
-    return Error(StatusCode::kDataLoss, "checkpoint file '{}' is corrupt: {}", path, what);
+  return ParseServerCheckpoint(data, fmt::format("checkpoint file '{}'", path), expected_crc);
+}
+
+Result<ServerCheckpoint> ParseServerCheckpoint(std::span<const std::byte> data,
+                                               std::string_view what,
+                                               std::optional<uint32_t> expected_crc) {
+  const auto corrupt = [&](std::string_view why) {
+    return Error(StatusCode::kDataLoss, "{} is corrupt: {}", what, why);
   };
   if (data.size() < sizeof(kMagic) + sizeof(uint32_t) || !IsMagic(data.data())) {
     return corrupt("it does not start as a dsyncps checkpoint does");
@@ -420,7 +456,7 @@ Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
       return corrupt(fmt::format("slice {} of {} announces more than the file holds", i, count));
     }
     DSYNC_RETURN_IF_ERROR(DecodeInit(std::span<const std::byte>(data.data() + at, meta_len), s.meta)
-                              .WithContext(fmt::format("checkpoint file '{}', slice {}", path, i)));
+                              .WithContext(fmt::format("{}, slice {}", what, i)));
     at += meta_len;
     const auto take = [&](std::vector<float>& v) {
       v.resize(elements);

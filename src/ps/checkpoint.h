@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,6 +92,14 @@ Result<CheckpointFile> WriteServerCheckpoint(const std::string& checkpoint_dir,
 // anything is allocated, and its CRC-32 (and `expected_crc`, the manifest's, when given).
 Result<ServerCheckpoint> ReadServerCheckpoint(const std::string& path,
                                               std::optional<uint32_t> expected_crc);
+
+// The bytes of a server file for `checkpoint`, and their reading back (checked as a file is;
+// `what` names them in errors): how a server sends the copies a new server of a lost rank
+// needs over the network.
+std::vector<std::byte> SerializeServerCheckpoint(const ServerCheckpoint& checkpoint);
+Result<ServerCheckpoint> ParseServerCheckpoint(std::span<const std::byte> data,
+                                               std::string_view what,
+                                               std::optional<uint32_t> expected_crc);
 
 // Writes `checkpoint_dir`/MANIFEST.json atomically: from then on the checkpoint is complete.
 Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest& manifest);

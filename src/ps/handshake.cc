@@ -2,9 +2,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+
+#include "ps/slicing.h"
 
 namespace dsync::ps {
 namespace {
@@ -129,12 +132,57 @@ Result<Hello> AcceptHello(std::span<const std::byte> meta, const std::string& to
   return hello;
 }
 
+namespace {
+
+json AddressJson(const ServerAddress& s) {
+  return {{"id", s.id}, {"host", s.host}, {"port", s.port}, {"proof", ToHex(s.proof)}};
+}
+
+Status ReadAddress(const json& s, ServerAddress* a) {
+  DSYNC_RETURN_IF_ERROR(Field(s, "id", &a->id));
+  DSYNC_RETURN_IF_ERROR(Field(s, "host", &a->host));
+  DSYNC_RETURN_IF_ERROR(Field(s, "port", &a->port));
+  return TagField(s, "proof", &a->proof);
+}
+
+}  // namespace
+
+std::string EncodeServerAddress(const ServerAddress& address) {
+  return AddressJson(address).dump();
+}
+
+Result<ServerAddress> DecodeServerAddress(std::span<const std::byte> meta) {
+  DSYNC_ASSIGN_OR_RETURN(json j, ParseJson(meta, "server address"));
+  ServerAddress a;
+  DSYNC_RETURN_IF_ERROR(ReadAddress(j, &a));
+  return a;
+}
+
+std::string EncodeLiveRanks(const std::vector<bool>& live) {
+  json j = json::array();
+  for (bool b : live) j.push_back(b);
+  return json{{"live", j}}.dump();
+}
+
+Status DecodeLiveRanks(std::span<const std::byte> meta, uint32_t num_servers,
+                       std::vector<bool>& live) {
+  DSYNC_ASSIGN_OR_RETURN(json o, ParseJson(meta, "live servers"));
+  json j;
+  DSYNC_RETURN_IF_ERROR(Field(o, "live", &j));
+  if (!j.is_array() || j.size() != num_servers) {
+    return Error(StatusCode::kProtocol, "live servers: not a list of {} flags", num_servers);
+  }
+  live.clear();
+  for (const json& b : j) {
+    if (!b.is_boolean()) return Error(StatusCode::kProtocol, "live servers: not a flag: {}", b.dump());
+    live.push_back(b.get<bool>());
+  }
+  return Status::Ok();
+}
+
 std::string EncodeWelcome(const Welcome& w) {
   json servers = json::array();
-  for (const ServerAddress& s : w.servers) {
-    servers.push_back(
-        {{"id", s.id}, {"host", s.host}, {"port", s.port}, {"proof", ToHex(s.proof)}});
-  }
+  for (const ServerAddress& s : w.servers) servers.push_back(AddressJson(s));
   const OptimizerConfig& o = w.optimizer;
   json j = {{"id", w.id},
             {"sync", w.sync.ToString()},
@@ -162,6 +210,9 @@ std::string EncodeWelcome(const Welcome& w) {
   if (w.scheduler_proof) j["scheduler_proof"] = ToHex(*w.scheduler_proof);
   if (w.replicas != 1) j["replicas"] = w.replicas;
   if (!w.servers_lost.empty()) j["servers_lost"] = w.servers_lost;
+  if (!w.servers_back.empty()) j["servers_back"] = w.servers_back;
+  if (!w.servers_filling.empty()) j["servers_filling"] = w.servers_filling;
+  if (w.takeover_from) j["takeover_from"] = *w.takeover_from;
   if (w.restore) {
     j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
                     {"version", w.restore->version}};
@@ -211,10 +262,7 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   if (!servers.is_array()) return Error(StatusCode::kProtocol, "welcome: servers is not a list");
   for (const json& s : servers) {
     ServerAddress a;
-    DSYNC_RETURN_IF_ERROR(Field(s, "id", &a.id));
-    DSYNC_RETURN_IF_ERROR(Field(s, "host", &a.host));
-    DSYNC_RETURN_IF_ERROR(Field(s, "port", &a.port));
-    DSYNC_RETURN_IF_ERROR(TagField(s, "proof", &a.proof));
+    DSYNC_RETURN_IF_ERROR(ReadAddress(s, &a));
     w.servers.push_back(std::move(a));
   }
   DSYNC_RETURN_IF_ERROR(Field(j, "join_round", &w.join_round));
@@ -248,15 +296,28 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   }
   if (j.contains("replicas")) DSYNC_RETURN_IF_ERROR(Field(j, "replicas", &w.replicas));
   if (j.contains("servers_lost")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_lost", &w.servers_lost));
-  const uint32_t servers_n = w.job_key ? w.num_servers : static_cast<uint32_t>(w.servers.size());
-  if (w.replicas == 0 || (servers_n > 0 && w.replicas > servers_n) ||
-      w.servers_lost.size() >= std::max<size_t>(servers_n, 1)) {
-    return Error(StatusCode::kProtocol, "welcome: {} replica(s) and {} lost server(s) of {}",
-                 w.replicas, w.servers_lost.size(), servers_n);
+  if (j.contains("servers_back")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_back", &w.servers_back));
+  if (j.contains("servers_filling")) {
+    DSYNC_RETURN_IF_ERROR(Field(j, "servers_filling", &w.servers_filling));
   }
-  for (NodeId s : w.servers_lost) {
-    if (s < kFirstServerId || s - kFirstServerId >= servers_n) {
-      return Error(StatusCode::kProtocol, "welcome: lost server {} is not a server of the job", s);
+  if (j.contains("takeover_from")) {
+    Round from = 0;
+    DSYNC_RETURN_IF_ERROR(Field(j, "takeover_from", &from));
+    w.takeover_from = from;
+  }
+  const uint32_t servers_n = w.job_key ? w.num_servers : static_cast<uint32_t>(w.servers.size());
+  const std::vector<bool> lost = LostNow(w.servers_lost, w.servers_back, servers_n);
+  const auto lost_now = static_cast<size_t>(std::count(lost.begin(), lost.end(), true));
+  if (w.replicas == 0 || (servers_n > 0 && w.replicas > servers_n) ||
+      lost_now >= std::max<size_t>(servers_n, 1)) {
+    return Error(StatusCode::kProtocol, "welcome: {} replica(s) and {} lost server(s) of {}",
+                 w.replicas, lost_now, servers_n);
+  }
+  for (const std::vector<NodeId>* list : {&w.servers_lost, &w.servers_back, &w.servers_filling}) {
+    for (NodeId s : *list) {
+      if (s < kFirstServerId || s - kFirstServerId >= servers_n) {
+        return Error(StatusCode::kProtocol, "welcome: server {} is not a server of the job", s);
+      }
     }
   }
   if (j.contains("restore")) {

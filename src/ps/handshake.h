@@ -49,6 +49,15 @@ struct ServerAddress {
   Tag proof{};  // what this server must answer the client's hello with
 };
 
+// kServerBack's metadata to a worker: where the new server of the rank listens, and its proof.
+std::string EncodeServerAddress(const ServerAddress& address);
+Result<ServerAddress> DecodeServerAddress(std::span<const std::byte> meta);
+
+// kCopyOut's metadata to a server: by rank, the servers live now (those that may send copies).
+std::string EncodeLiveRanks(const std::vector<bool>& live);
+Status DecodeLiveRanks(std::span<const std::byte> meta, uint32_t num_servers,
+                       std::vector<bool>& live);
+
 // What the scheduler tells a node that joined.
 struct Welcome {
   NodeId id = 0;
@@ -67,6 +76,15 @@ struct Welcome {
   uint32_t num_servers = 0;            // servers: for the slice placement of receipts
   uint32_t replicas = 1;               // copies of every slice (Config::replicas)
   std::vector<NodeId> servers_lost;    // workers: the servers lost so far, in that order
+  // workers: the ranks a new server took over since (kServerBack), in that order; a server is
+  // lost now when it was lost more often than taken over.
+  std::vector<NodeId> servers_back;
+  // workers: servers taking a lost rank over that do not hold their copies yet (pulls go to
+  // the other copies until kServerServes).
+  std::vector<NodeId> servers_filling;
+  // A server that takes a lost rank's place (its id is that rank's): the first round it is
+  // sent. Its slices come as copies from the other servers (kCopyOut), not from workers.
+  std::optional<Round> takeover_from;
   // servers: the newest change of the learning rate (its first round, the rate), so that a
   // server joining after it runs with it too.
   std::optional<std::pair<Round, float>> learning_rate;

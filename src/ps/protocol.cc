@@ -24,6 +24,8 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kLeaveAck: return "leave-ack";
     case MsgType::kSetLearningRate: return "set-learning-rate";
     case MsgType::kSetLearningRateAck: return "set-learning-rate-ack";
+    case MsgType::kServerBackAck: return "server-back-ack";
+    case MsgType::kServerServes: return "server-serves";
     case MsgType::kRound: return "round";
     case MsgType::kWorkerGone: return "worker-gone";
     case MsgType::kApplied: return "applied";
@@ -33,12 +35,16 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kCheckpoint: return "checkpoint";
     case MsgType::kCheckpointDone: return "checkpoint-done";
     case MsgType::kServerGone: return "server-gone";
+    case MsgType::kServerBack: return "server-back";
     case MsgType::kInit: return "init";
     case MsgType::kInitAck: return "init-ack";
     case MsgType::kPush: return "push";
     case MsgType::kPushAck: return "push-ack";
     case MsgType::kPull: return "pull";
     case MsgType::kPullReply: return "pull-reply";
+    case MsgType::kCopyOut: return "copy-out";
+    case MsgType::kCopy: return "copy";
+    case MsgType::kCopied: return "copied";
   }
   return "unknown";
 }

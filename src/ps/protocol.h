@@ -33,7 +33,10 @@ constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
 // 3: learning-rate changes (kSetLearningRate, kLearningRate), per-tensor optimizers in kInit.
 // 4: checkpoints (kCheckpoint, kCheckpointDone; a restore in servers' welcomes).
 // 5: replicated slices (kInit's replica(), kCommit's losses(), kServerGone).
-constexpr uint16_t kProtocolVersion = 5;
+// 6: lost copies recreated on a server that takes a lost rank's place (kServerBack,
+//    kServerBackAck, kServerServes, kCopyOut, kCopy, kCopied; kInit's kFlagLayout; welcome
+//    fields).
+constexpr uint16_t kProtocolVersion = 6;
 // Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
@@ -60,6 +63,11 @@ enum class MsgType : uint16_t {
   kLeaveAck = 15,
   kSetLearningRate = 16,     // meta = the new lr (LearningRateMeta); workers only
   kSetLearningRateAck = 17,  // round(): the first round the new lr applies to
+  kServerBackAck = 18,  // backs(): the back it answers; next_clock(): the first clock this
+                        // worker pushes to that server (status != 0: it cannot reach it;
+                        // meta = why)
+  kServerServes = 19,   // scheduler -> worker: gone_server(), which took a lost rank over,
+                        // holds its copies: pulls may go to it
   // server <-> scheduler
   kRound = 20,      // round(); meta = RoundMember[] with their tensors, in summation order
   kWorkerGone = 21, // gone_worker(), next_clock(): anything it staged from there on is void
@@ -74,6 +82,9 @@ enum class MsgType : uint16_t {
   kCheckpointDone = 27,  // server -> scheduler: round() = that version; meta = CheckpointDone
   kServerGone = 28,      // scheduler -> every node: gone_server() was lost; losses() = servers
                          // lost so far, this one included (they are told in that order)
+  kServerBack = 29,      // scheduler -> workers, servers: a new server took gone_server()'s
+                         // rank; backs() = rank takeovers so far, this one included;
+                         // meta (workers) = ServerBackMeta: where it listens, its proof
   // worker <-> server
   kInit = 30,      // tensor(), slice(), replica(); meta = InitMeta; payload = initial values
   kInitAck = 31,   // slice_version()
@@ -82,6 +93,16 @@ enum class MsgType : uint16_t {
                    // completed the tensor on this server, else empty
   kPull = 34,      // tensor(), slice(), min_version()
   kPullReply = 35, // tensor(), slice(), slice_version(); payload = parameters
+  // recreating a lost rank's copies (docs/design.md, "Recreating lost copies")
+  kCopyOut = 40,  // scheduler -> live server: round() = the version to copy, gone_server() =
+                  // the rank's server to copy for, backs() = the takeover's number; -> the new
+                  // server: the same, and senders() = how many servers send it copies
+  kCopy = 41,     // server -> scheduler -> the new server: round(), backs() as in its
+                  // kCopyOut; payload = a checkpoint
+                  // file's bytes (ps/checkpoint.h) with the copies the rank holds of some of
+                  // the sender's slices; flags & kFlagLast: the sender's last; status != 0:
+                  // the sender cannot (meta = why)
+  kCopied = 42,   // the new server -> scheduler: round(): every copy is in, at that version
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -148,6 +169,12 @@ struct FrameHeader {
   void set_gone_server(NodeId s) { id32[0] = s; }
   uint32_t losses() const { return id32[1]; }
   void set_losses(uint32_t n) { id32[1] = n; }
+  // kServerBack, kServerBackAck: how many times a new server took a lost rank's place so far.
+  uint32_t backs() const { return id32[1]; }
+  void set_backs(uint32_t n) { id32[1] = n; }
+  // kCopyOut to the server taking a rank over: how many servers send it copies.
+  uint32_t senders() const { return static_cast<uint32_t>(word[1]); }
+  void set_senders(uint32_t n) { word[1] = n; }
 };
 static_assert(sizeof(FrameHeader) == 64);
 static_assert(std::is_trivially_copyable_v<FrameHeader> && std::is_standard_layout_v<FrameHeader>);
@@ -159,6 +186,11 @@ constexpr uint64_t kNoGate = ~0ull;
 constexpr uint8_t kFlagEmpty = 1;
 // kCommitAck: the job's gradient budget (Config::max_gradients) is spent; stop training.
 constexpr uint8_t kFlagStop = 2;
+// kInit to a server that takes a lost rank's place: no payload; the slice's values come with
+// the copies the other servers send it.
+constexpr uint8_t kFlagLayout = 4;
+// kCopy: the sender's last.
+constexpr uint8_t kFlagLast = 8;
 
 inline FrameHeader MakeHeader(MsgType type, NodeId sender) {
   FrameHeader h;

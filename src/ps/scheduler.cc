@@ -45,6 +45,7 @@
 #include "ps/settings.h"
 #include "ps/scheduler_node.h"
 #include "ps/slicing.h"
+#include "ps/takeover.h"
 
 namespace dsync {
 namespace ps {
@@ -267,13 +268,35 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
 
   // --- TransportHandler ---------------------------------------------------------------
 
-  void* OnHeader(PeerId, const FrameHeader&, std::span<const std::byte>) override {
-    return nullptr;  // the scheduler never takes payloads
+  // The scheduler takes no payloads but the copies a server sends one taking a lost rank's
+  // place, which it passes on (RelayCopy).
+  void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte>) override {
+    if (h.msg_type() != MsgType::kCopy || h.payload_len == 0) return nullptr;
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end() || it->second.kind != PeerKind::kServer ||
+        !CopyExpected(it->second.id, h)) {
+      return nullptr;
+    }
+    return new (std::nothrow) std::byte[h.payload_len];
+  }
+
+  void OnPayloadLost(PeerId, const FrameHeader&, void* payload) override {
+    delete[] static_cast<std::byte*>(payload);
   }
 
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
-               void*) override {
+               void* payload) override {
     std::lock_guard lock(mu_);
+    if (h.msg_type() == MsgType::kCopy) {  // the one payload the scheduler takes (OnHeader)
+      auto it = peers_.find(peer);
+      if (!doomed_.contains(peer) && it != peers_.end() && it->second.kind == PeerKind::kServer) {
+        RelayCopy(it->second.id, h, meta, static_cast<std::byte*>(payload));
+        return;
+      }
+      delete[] static_cast<std::byte*>(payload);
+      if (doomed_.contains(peer)) return;
+    }
     if (doomed_.contains(peer)) return;
     if (h.payload_len != 0) {
       Refuse(peer, h, Error(StatusCode::kProtocol, "the scheduler takes no payloads"), true);
@@ -321,6 +344,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       CheckFinished();
       return;
     }
+    if (info.kind == PeerKind::kServer && servers_[ServerRank(info.id)].taking_over) {
+      // It holds no slice the job needs yet: whatever the job is doing, it goes on without it.
+      LoseServer(info.id, fmt::format("disconnected ({})", why.message()));
+      return;
+    }
     if (info.kind == PeerKind::kServer && !salvage_.ok()) {
       SalvageWithout(servers_[ServerRank(info.id)],
                      fmt::format("disconnected ({})", why.message()));
@@ -358,6 +386,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     bool ready = false;  // it took its welcome and accepts clients
     bool lost = false;   // gone; its slices' other copies serve (Config::replicas)
     bool away = false;   // a restarted scheduler waits for it to come back (peer: none yet)
+    // A new server taking this lost rank's place: live, sent every round, but its slices are
+    // not whole until the copies are in (kCopied); checkpoints and the lag rule pass it by.
+    bool taking_over = false;
   };
   // The answer to a worker's newest commit: sent again if the worker, which lost the
   // scheduler before it came, sends that commit again.
@@ -375,6 +406,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     std::string address;     // it connected from (the audit log)
     bool away = false;       // a restarted scheduler waits for it to come back
     std::optional<CommitAnswer> last_ack;
+    Clock next_commit = 0;   // the clock of its next commit
   };
 
   void Refuse(PeerId peer, const FrameHeader& about, const Status& error, bool drop) {
@@ -409,10 +441,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     if (hello->role == Role::kServer) {
       if (servers_.size() >= cfg_.num_servers) {
-        Refuse(peer, h,
-               Error(StatusCode::kAlreadyExists,
-                     "all {} servers of this job have registered already", cfg_.num_servers),
-               true);
+        TakeOver(peer, h, *hello);
         return;
       }
       const NodeId id = kFirstServerId + static_cast<NodeId>(servers_.size());
@@ -489,7 +518,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.observer = observer;
     if (observer) w.reconnect_grace_ms = 0;  // observers do not rejoin: they join again
     w.credential = ClientCredential(job_key_, id, observer);
-    w.servers_lost = servers_lost_;
+    w.servers_lost = server_events_.losses();
+    w.servers_back = server_events_.takeovers();
+    for (const ServerEntry& s : servers_) {
+      if (s.taking_over && !s.lost) w.servers_filling.push_back(s.id);
+    }
     for (const ServerEntry& s : servers_) {
       w.servers.push_back({s.id, s.host, s.port, ServerProof(job_key_, s.id, id)});
     }
@@ -571,6 +604,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       }
       Send(peer, ack, AsBytes(EncodeWelcome(w)));
       placed_next_clock_[id] = admission->start_clock;
+      entry.next_commit = admission->start_clock;
       if (policy_) {
         policy_->Join(id);
         payoff_->MembershipChanged();
@@ -626,6 +660,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       case MsgType::kSetLearningRate:
         HandleSetLearningRate(peer, id, h, meta);
         return;
+      case MsgType::kServerBackAck:
+        HandleTakeoverAck(peer, id, wit->second, h, meta);
+        return;
       case MsgType::kLeave: {
         // Acknowledge first: the removal may end the job, and Run() flushes what is queued.
         FrameHeader ack = MakeHeader(MsgType::kLeaveAck, kSchedulerId);
@@ -655,17 +692,23 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     CommitProof& proof = commit_scratch_;
     Status proved = DecodeCommit(meta, proof);
-    if (proved.ok() && h.losses() > servers_lost_.size()) {
+    if (proved.ok() && h.losses() > server_events_.losses().size()) {
       proved = Error(StatusCode::kInvalidArgument,
                      "worker {}: the commit of clock {} leaves out {} lost server(s); {} are lost",
-                     id, h.clock(), h.losses(), servers_lost_.size());
+                     id, h.clock(), h.losses(), server_events_.losses().size());
     }
     if (proved.ok()) {
       // The receipts of the servers lost before the worker committed are left out: it heard
-      // of those losses (in order) and gave up what they owed it.
+      // of those losses (in order) and gave up what they owed it. A rank a new server took
+      // over counts again for the clocks the worker pushed to that server.
+      const std::vector<bool>* left_out = &left_out_[h.losses()];
+      if (!server_events_.takeovers().empty()) {
+        server_events_.LeftOut(h.losses(), id, h.clock(), left_out_scratch_);
+        left_out = &left_out_scratch_;
+      }
       proved = VerifyCommit(job_key_,
                             Holders(static_cast<uint32_t>(servers_.size()), cfg_.replicas,
-                                    &left_out_[h.losses()]),
+                                    left_out),
                             id, h.clock(), empty, proof);
     }
     if (!proved.ok()) {
@@ -686,6 +729,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     ++entry.committed;
+    entry.next_commit = h.clock() + 1;
     entry.last_ack = CommitAnswer{h.clock(), r->round, r->gate.value_or(kNoGate)};
     // Commits are placed in clock order and rounds take each worker's oldest: a FIFO per
     // worker pairs every round member with its tensors.
@@ -770,6 +814,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           if (s.id == id) s.ready = true;
         }
         if (journal_.open()) journal_.Add({{"k", "ready"}, {"id", id}});
+        if (servers_[ServerRank(id)].taking_over) {
+          AnnounceTakeover(servers_[ServerRank(id)]);
+          return;
+        }
         last_arrival_ = SteadyClock::now();
         AdmitWaiting();
         return;
@@ -806,7 +854,17 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         }
         return;
       }
+      case MsgType::kCopy:
+        RelayCopy(id, h, meta, nullptr);
+        return;
+      case MsgType::kCopied:
+        CopiesIn(id, h.round());
+        return;
       case MsgType::kError:
+        if (servers_[ServerRank(id)].taking_over) {  // its failure costs no slice
+          LoseServer(id, fmt::format("failed: {}", ErrorFromFrame(h, meta).message()));
+          return;
+        }
         Finish(ErrorFromFrame(h, meta).WithContext(fmt::format("server {}", id)));
         return;
       default:
@@ -859,9 +917,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     const uint32_t rank = ServerRank(id);
     if (rank >= servers_.size() || servers_[rank].lost || finished_ || stop_) return;
     ServerEntry& s = servers_[rank];
-    std::vector<bool> lost = left_out_.back();
-    lost[rank] = true;
-    if (cfg_.replicas <= 1 || !s.ready || !EverySliceHasACopy(lost, cfg_.replicas)) {
+    // Which slices still have a whole copy: a server taking a lost rank over has none yet.
+    std::vector<bool> missing(servers_.size());
+    for (const ServerEntry& o : servers_) missing[ServerRank(o.id)] = o.lost || o.taking_over;
+    missing[rank] = true;
+    const bool taking_over = s.taking_over;
+    if (!taking_over &&
+        (cfg_.replicas <= 1 || !s.ready || !EverySliceHasACopy(missing, cfg_.replicas))) {
       Status why = Error(StatusCode::kUnavailable,
                          "server {} {}; the job cannot continue without its slices{}", id, what,
                          cfg_.replicas <= 1 ? ""
@@ -890,11 +952,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     DropServer(s, what);
+    std::vector<bool> lost = left_out_.back();
+    lost[rank] = true;
     RecordLoss(s, std::move(lost));
     if (journal_.open()) journal_.Add({{"k", "lost"}, {"id", id}});
     FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
     gone.set_gone_server(id);
-    gone.set_losses(static_cast<uint32_t>(servers_lost_.size()));
+    gone.set_losses(static_cast<uint32_t>(server_events_.losses().size()));
     // Told too (a stopped process reads it when it runs again, and stops without an error),
     // then dropped once the frame has left.
     const PeerId peer = s.peer;
@@ -905,22 +969,265 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         transport_->Close(peer);
       }
     });
-    spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
-                 "on with {} of {} server(s)",
-                 id, what, servers_.size() - servers_lost_.size(), servers_.size());
+    const auto live = std::count(missing.begin(), missing.end(), false);
+    if (taking_over) {
+      spdlog::warn("scheduler: server {}, which was taking over a lost rank, {}; the job goes on "
+                   "without it, with {} of {} server(s)",
+                   id, what, live, servers_.size());
+    } else {
+      spdlog::warn("scheduler: server {} {}; every slice it held has another copy, the job goes "
+                   "on with {} of {} server(s)",
+                   id, what, live, servers_.size());
+    }
     for (const auto& [w, entry] : workers_) Send(entry.peer, gone);
     for (const auto& [o, client] : observers_) Send(client, gone);
-    for (const ServerEntry& live : LiveServers()) Send(live.peer, gone);
+    for (const ServerEntry& other : LiveServers()) Send(other.peer, gone);
     // A checkpoint in flight goes on without its file: the other servers write copies of
     // every slice it held (they apply the same rounds).
     if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
+    if (taking_over) takeover_.reset();
+    for (const ServerEntry& o : servers_) {
+      if (!taking_over && o.taking_over && !o.lost) {
+        // The copies the new server waits for may have been the lost one's to send: it
+        // starts again once a new server comes.
+        LoseServer(o.id, fmt::format("had not got every copy when server {} was lost", id));
+        return;
+      }
+    }
+    Progress();
+  }
+
+  // --- a new server taking a lost rank's place (docs/design.md, "Recreating lost copies") --
+
+  // A server registering once every rank has: with copies, it takes the lowest lost rank's
+  // place. It is sent every round from now on; its slices come as copies from the others.
+  void TakeOver(PeerId peer, const FrameHeader& h, const Hello& hello) {
+    const auto refuse = [&](StatusCode code, const std::string& why) {
+      Refuse(peer, h, Error(code, "all {} servers of this job have registered already{}",
+                            cfg_.num_servers, why),
+             true);
+    };
+    auto lost = std::find_if(servers_.begin(), servers_.end(),
+                             [](const ServerEntry& s) { return s.lost; });
+    if (cfg_.replicas <= 1 || lost == servers_.end()) {
+      return refuse(StatusCode::kAlreadyExists,
+                    cfg_.replicas <= 1 ? "" : ", and none of them is lost");
+    }
+    if (!cfg_.journal.empty()) {
+      return refuse(StatusCode::kUnimplemented,
+                    "; a new server cannot take a lost one's place in a job whose scheduler "
+                    "journals (--journal) yet");
+    }
+    if (std::any_of(servers_.begin(), servers_.end(),
+                    [](const ServerEntry& s) { return s.taking_over; })) {
+      return refuse(StatusCode::kUnavailable,
+                    "; another new server is taking a lost rank over now: start this one again "
+                    "once it holds its copies");
+    }
+    if (stopping_ || !salvage_.ok() || !started_) {
+      return refuse(StatusCode::kFailedPrecondition,
+                    started_ ? "; the job is stopping" : "; the job has not started");
+    }
+    ServerEntry& s = *lost;
+    s.peer = peer;
+    s.host = hello.host;
+    s.port = hello.port;
+    s.applied = rounds_announced_;
+    s.last_seen = SteadyClock::now();
+    s.ready = false;
+    s.lost = false;
+    s.taking_over = true;
+    doomed_.erase(peer);
+    peers_[peer] = {PeerKind::kServer, s.id};
+    takeover_deadline_ = SteadyClock::now() + std::chrono::seconds(kTakeoverSeconds);
+    Welcome w = JobWelcome(s.id);
+    w.job_key = job_key_;
+    w.checkpoints = checkpoints_.enabled();
+    w.takeover_from = rounds_announced_;
+    FrameHeader ack = MakeHeader(MsgType::kHelloAck, kSchedulerId);
+    ack.request = h.request;
+    Send(peer, ack, AsBytes(EncodeWelcome(w)));
+    // What it stages of a worker that is gone is void, as on every other server.
+    for (const auto& [worker, next] : gone_workers_) {
+      FrameHeader gone = MakeHeader(MsgType::kWorkerGone, kSchedulerId);
+      gone.set_gone_worker(worker);
+      gone.set_next_clock(next);
+      Send(peer, gone);
+    }
+    spdlog::info("scheduler: server {} registered at {}:{} to take the place of the lost one "
+                 "(rank {}); it gets the rounds from round {} on",
+                 s.id, hello.host, hello.port, ServerRank(s.id), rounds_announced_);
+    audit_.Member("registered", "server", s.id, fmt::format("{}:{}", hello.host, hello.port),
+                  "takes the place of the lost server of its rank");
+  }
+
+  // The new server accepts clients: workers are told to connect to it and say from which
+  // clock on they push to it; servers that it is back.
+  void AnnounceTakeover(ServerEntry& s) {
+    std::vector<WorkerId> live;
+    for (const auto& [w, entry] : workers_) live.push_back(w);
+    const auto index = static_cast<uint32_t>(server_events_.takeovers().size());
+    server_events_.TakenOver(s.id, live);
+    takeover_.emplace(s.id, index, rounds_announced_, live);
+    // A worker gone already may have commits no round has placed yet: they missed the new
+    // server too.
+    for (const auto& [w, void_from] : gone_workers_) {
+      auto placed = placed_next_clock_.find(w);
+      if (placed != placed_next_clock_.end() && placed->second < void_from) {
+        takeover_->Gone(w, void_from);
+      }
+    }
+    FrameHeader back = MakeHeader(MsgType::kServerBack, kSchedulerId);
+    back.set_gone_server(s.id);
+    back.set_backs(index + 1);
+    for (const auto& [w, entry] : workers_) {
+      Send(entry.peer, back,
+           AsBytes(EncodeServerAddress({s.id, s.host, s.port, ServerProof(job_key_, s.id, w)})));
+    }
+    spdlog::info("scheduler: server {} is ready; {} worker(s) connect to it", s.id, live.size());
+    Progress();  // with no worker, the copies can be taken at once
+  }
+
+  void HandleTakeoverAck(PeerId peer, WorkerId w, const WorkerEntry& entry, const FrameHeader& h,
+                         std::span<const std::byte> meta) {
+    const std::vector<NodeId>& takeovers = server_events_.takeovers();
+    if (h.backs() == 0 || h.backs() > takeovers.size()) {
+      Expel(peer, w, h, Error(StatusCode::kInvalidArgument, "worker {} answered takeover {} of {}",
+                              w, h.backs(), takeovers.size()));
+      return;
+    }
+    const uint32_t index = h.backs() - 1;
+    const bool current = takeover_ && takeover_->index() == index;
+    if (h.status != 0) {
+      if (current) {
+        LoseServer(takeover_->server(), fmt::format("cannot be reached by worker {}: {}", w,
+                                                    ErrorFromFrame(h, meta).message()));
+      }
+      return;
+    }
+    if (h.next_clock() < entry.next_commit) {
+      // Clocks it committed without this server's receipts would reach rounds the new server
+      // must apply.
+      Expel(peer, w, h,
+            Error(StatusCode::kInvalidArgument,
+                  "worker {} says it pushes to server {} from clock {}, but it committed "
+                  "clock {} already",
+                  w, takeovers[index], h.next_clock(), entry.next_commit - 1));
+      return;
+    }
+    // Kept also for a takeover that ended (its server lost again): the worker's commits until
+    // it hears of that carry the receipts of the clocks it pushed there.
+    server_events_.Pushes(index, w, h.next_clock());
+    if (current) {
+      takeover_->Pushes(w, h.next_clock());
+      MaybeCopyOut();
+    }
+  }
+
+  // Once no round from now on can name a gradient the new server did not get, the other
+  // servers copy its rank's slices to it at the version of the rounds sent so far (each
+  // after applying them: the request follows the last on its ordered connection).
+  void MaybeCopyOut() {
+    if (!takeover_ || takeover_->copy_at || finished_ || stop_) return;
+    const bool ready = takeover_->Ready([&](WorkerId w) {
+      auto it = placed_next_clock_.find(w);
+      return it == placed_next_clock_.end() ? Clock{0} : it->second;
+    });
+    if (!ready) return;
+    const Version at = rounds_announced_;
+    takeover_->copy_at = at;
+    std::vector<bool> live;
+    for (const ServerEntry& o : servers_) live.push_back(!o.lost && !o.taking_over);
+    const std::string live_text = EncodeLiveRanks(live);
+    FrameHeader out = MakeHeader(MsgType::kCopyOut, kSchedulerId);
+    out.set_round(at);
+    out.set_gone_server(takeover_->server());
+    out.set_backs(takeover_->index() + 1);
+    uint32_t senders = 0;
+    for (const ServerEntry& o : LiveServers()) {
+      if (o.taking_over) continue;
+      Send(o.peer, out, AsBytes(live_text));
+      ++senders;
+    }
+    takeover_->copies_expected = senders;
+    FrameHeader to_new = out;
+    to_new.set_senders(senders);
+    Send(servers_[ServerRank(takeover_->server())].peer, to_new);
+    spdlog::info("scheduler: the {} other server(s) copy rank {}'s slices to server {} at "
+                 "version {}",
+                 senders, ServerRank(takeover_->server()), takeover_->server(), at);
+  }
+
+  // Whether a server's copies are for the takeover under way (else it ended: dropped).
+  bool CopyExpected(NodeId from, const FrameHeader& h) const {
+    return takeover_ && takeover_->copy_at == h.round() && h.backs() == takeover_->index() + 1 &&
+           from != takeover_->server() && !servers_[ServerRank(from)].lost;
+  }
+
+  // A server's copies for the new one (payload: null when it sends none, only an error, or
+  // when there was no memory to take them): passed on as they are, on the new server's
+  // ordered connection. Copies for a takeover that ended are dropped: their sender did
+  // nothing wrong.
+  void RelayCopy(NodeId from, const FrameHeader& h, std::span<const std::byte> meta,
+                 std::byte* payload) {
+    if (!CopyExpected(from, h)) {
+      delete[] payload;
+      spdlog::info("scheduler: dropped copies of version {} from server {}: no server waits "
+                   "for them now",
+                   h.round(), from);
+      return;
+    }
+    if (payload == nullptr && h.payload_len > 0 && h.status == 0) {
+      LoseServer(takeover_->server(),
+                 fmt::format("cannot get its copies: no memory here for the {} bytes from "
+                             "server {}",
+                             h.payload_len, from));
+      return;
+    }
+    if (h.status != 0) {
+      delete[] payload;
+      LoseServer(takeover_->server(), fmt::format("cannot get its copies from server {}: {}", from,
+                                                  ErrorFromFrame(h, meta).message()));
+      return;
+    }
+    if (h.flags & kFlagLast) ++takeover_->copies_relayed;
+    const PeerId to = servers_[ServerRank(takeover_->server())].peer;
+    Status st = transport_->Send(to, h, {}, payload, h.payload_len,
+                                 [payload](const Status&) { delete[] payload; });
+    if (!st.ok()) delete[] payload;  // its connection ends: the loss follows
+  }
+
+  // The new server holds every copy at version `at`: its rank is whole again.
+  void CopiesIn(NodeId id, Version at) {
+    ServerEntry& s = servers_[ServerRank(id)];
+    if (!takeover_ || takeover_->server() != id || takeover_->copy_at != at ||
+        takeover_->copies_relayed != takeover_->copies_expected) {
+      Finish(Error(StatusCode::kProtocol, "server {} said it holds its copies of version {}, "
+                                          "which it was not sent",
+                   id, at));
+      return;
+    }
+    s.taking_over = false;
+    const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
+        SteadyClock::now() - (takeover_deadline_ - std::chrono::seconds(kTakeoverSeconds)));
+    spdlog::info("scheduler: server {} holds the copies of rank {} again (version {}, {} ms "
+                 "after it registered); every slice has its {} copies where live servers allow",
+                 id, ServerRank(id), at, took.count(), cfg_.replicas);
+    audit_.Member("restored", "server", id, fmt::format("{}:{}", s.host, s.port),
+                  fmt::format("holds its rank's copies from version {}", at));
+    ++counters_.servers_restored;
+    takeover_.reset();
+    FrameHeader serves = MakeHeader(MsgType::kServerServes, kSchedulerId);
+    serves.set_gone_server(id);
+    for (const auto& [w, entry] : workers_) Send(entry.peer, serves);
     Progress();
   }
 
   // Server `s` is the next lost one; `lost`: by rank, every server lost now (left_out_).
   void RecordLoss(ServerEntry& s, std::vector<bool> lost) {
     s.lost = true;
-    servers_lost_.push_back(s.id);
+    s.taking_over = false;
+    server_events_.Lost(s.id);
     left_out_.push_back(std::move(lost));
     ++counters_.servers_lost;
   }
@@ -957,6 +1264,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (journal_.open()) journal_.Add({{"k", "leave"}, {"w", id}, {"failed", failed}});
     gone_workers_[id] = *next;
     last_gate_.erase(id);
+    if (takeover_) takeover_->Gone(id, *next);
     uint64_t committed = 0;
     std::string address;
     if (auto wit = workers_.find(id); wit != workers_.end()) {
@@ -1042,6 +1350,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   bool ReplicaLagging() const {
     if (cfg_.replicas <= 1) return false;
     for (const ServerEntry& s : LiveServers()) {
+      // A server taking a rank over holds back the rounds from its copies' version on only
+      // once that version is decided (deciding it needs rounds to close).
+      if (s.taking_over && !(takeover_ && takeover_->copy_at)) continue;
       if (s.ready && s.applied + kReplicaLagRounds <= rounds_announced_) return true;
     }
     return false;
@@ -1078,6 +1389,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       last_gate_[g.worker] = g;
       Send(wit->second.peer, h);
     }
+    MaybeCopyOut();
     CheckFinished();
   }
 
@@ -1213,7 +1525,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);
     h.set_round(version);
     for (const ServerEntry& s : servers_) {
-      if (s.lost) {
+      if (s.lost || s.taking_over) {
         (void)checkpoints_.Lost(ServerRank(s.id));  // its slices' copies are in the others
         continue;
       }
@@ -1881,6 +2193,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           LoseServer(id, fmt::format("stopped answering (no heartbeat for {} ms)",
                                      cfg_.heartbeat_timeout_ms));
         }
+        for (const ServerEntry& s : servers_) {
+          if (s.taking_over && !s.lost && now > takeover_deadline_ && !finished_ && !stop_) {
+            LoseServer(s.id, fmt::format("did not get the copies of its rank within {} s",
+                                         kTakeoverSeconds));
+            break;
+          }
+        }
         const auto quiet = std::chrono::milliseconds(cfg_.start_timeout_ms);
         if (cfg_.start_timeout_ms > 0 && !started_ && !finished_ && now - last_arrival_ > quiet) {
           // A node that never comes (a host that failed to start it, a wrong address or
@@ -1937,9 +2256,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::unordered_map<PeerId, PeerInfo> peers_;
   std::unordered_set<PeerId> doomed_;  // refused, being dropped
   std::vector<ServerEntry> servers_;  // by rank
-  std::vector<NodeId> servers_lost_;  // in the order they were lost
-  // left_out_[n]: by rank, the servers among the first n lost (a commit's losses()).
+  // The servers lost and the ranks a new server took over, in order (a commit's receipts).
+  ServerEvents server_events_{cfg_.num_servers};
+  // left_out_[n]: by rank, the servers among the first n lost (a commit's losses()), while
+  // no rank was taken over; then ServerEvents::LeftOut, into left_out_scratch_.
   std::vector<std::vector<bool>> left_out_{std::vector<bool>(cfg_.num_servers, false)};
+  std::vector<bool> left_out_scratch_;
+  // A new server taking a lost rank's place, from its welcome until it holds the copies.
+  std::optional<Takeover> takeover_;
+  SteadyClock::time_point takeover_deadline_;
   std::map<WorkerId, WorkerEntry> workers_;
   std::vector<std::pair<WorkerId, PeerId>> waiting_;
   std::map<WorkerId, uint64_t> waiting_requests_;

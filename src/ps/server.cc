@@ -37,6 +37,7 @@
 #include "ps/optimizer.h"
 #include "ps/round_rule.h"
 #include "ps/server_node.h"
+#include "ps/slicing.h"
 #include "ps/staging_ledger.h"
 #include "ps/trace.h"
 
@@ -277,6 +278,10 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   void* OnHeader(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) override {
+    if (peer == scheduler_ && h.msg_type() == MsgType::kCopy && h.payload_len > 0 &&
+        awaiting_copies_.load()) {
+      return new (std::nothrow) std::byte[h.payload_len];  // a copy: rare, and held briefly
+    }
     if (peer == scheduler_ || peer == rejoin_.peer) return nullptr;
     Client* ps = clients_.Find(peer);
     if (!ps || ps->doomed) return nullptr;
@@ -299,7 +304,7 @@ class ServerNode final : public Server, public TransportHandler {
       }
       case MsgType::kInit: {
         ps->verdict = CheckInit(h, meta, ps->observer, &ps->init_exists);
-        if (!ps->verdict.ok() || ps->init_exists) return nullptr;
+        if (!ps->verdict.ok() || ps->init_exists || h.payload_len == 0) return nullptr;
         void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
         return buf;
@@ -313,13 +318,21 @@ class ServerNode final : public Server, public TransportHandler {
     }
   }
 
-  void OnPayloadLost(PeerId, const FrameHeader& h, void* payload) override {
+  void OnPayloadLost(PeerId peer, const FrameHeader& h, void* payload) override {
+    if (peer == scheduler_ && h.msg_type() == MsgType::kCopy) {
+      delete[] static_cast<std::byte*>(payload);
+      return;
+    }
     ReleaseBuffer(payload, h.payload_len);  // a truncated push stages nothing
   }
 
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void* payload) override {
     if (peer == scheduler_) {
+      if (h.msg_type() == MsgType::kCopy) {
+        TakeCopies(h, static_cast<std::byte*>(payload));
+        return;
+      }
       HandleScheduler(h, meta);
       return;
     }
@@ -374,6 +387,13 @@ class ServerNode final : public Server, public TransportHandler {
     OptimizerConfig optimizer;  // the tensor's, from its first registration
     std::vector<Staged> staged;
     std::vector<WaitingPull> waiting;
+    // On a server taking a lost rank's place, until the copies are in: the slice is not in
+    // the store yet, pulls wait, and its values come from a copy, or else from the init that
+    // created it (a tensor no server had at the copies' version).
+    bool awaiting_copy = false;
+    bool layout_only = false;  // created by a kFlagLayout init: only a copy can fill it
+    bool copied = false;
+    std::vector<float> init_values;
   };
   struct TensorMeta {
     std::string name;
@@ -390,6 +410,11 @@ class ServerNode final : public Server, public TransportHandler {
     // Not a round: write a checkpoint of version `round` (every round before it applied)
     // into this directory.
     std::string checkpoint_dir;
+    // Not a round: send the copies the server of this rank's id holds of this server's
+    // slices, at version `round`, where this server is the first live copy (`live`, by rank).
+    std::optional<NodeId> copy_for;
+    std::vector<bool> live;
+    uint32_t takeover = 0;  // the takeover's number (kCopyOut's backs()), named in the copies
   };
 
   SliceState* FindSlice(uint32_t tensor, uint32_t slice) {
@@ -462,14 +487,25 @@ class ServerNode final : public Server, public TransportHandler {
     // A slice is exactly where the job's slice size puts it: then a tensor's slice count,
     // which receipts attest, is the same for every server and every worker.
     const uint64_t per = SliceElements();
-    if (h.payload_len == 0 || h.payload_len % sizeof(float) != 0 ||
-        im.slice_offset + h.payload_len / sizeof(float) > im.tensor_elements ||
+    const bool layout = (h.flags & kFlagLayout) != 0;
+    if (layout && (observer || !awaiting_copies_.load() || h.payload_len != 0)) {
+      return Error(StatusCode::kInvalidArgument,
+                   "tensor '{}' slice {}: an init without values is only for a server taking a "
+                   "lost one's place, from a worker, before its copies are in",
+                   im.name, h.slice());
+    }
+    const uint64_t bytes =
+        layout && im.slice_offset < im.tensor_elements
+            ? std::min(per, im.tensor_elements - im.slice_offset) * sizeof(float)
+            : h.payload_len;
+    if (bytes == 0 || bytes % sizeof(float) != 0 ||
+        im.slice_offset + bytes / sizeof(float) > im.tensor_elements ||
         im.slice_offset != uint64_t{h.slice()} * per ||
-        h.payload_len / sizeof(float) != std::min(per, im.tensor_elements - im.slice_offset)) {
+        bytes / sizeof(float) != std::min(per, im.tensor_elements - im.slice_offset)) {
       return Error(StatusCode::kInvalidArgument,
                    "tensor '{}' slice {}: {} bytes at element {} are not slice {} of a tensor "
                    "of {} elements cut into slices of {} elements",
-                   im.name, h.slice(), h.payload_len, im.slice_offset, h.slice(),
+                   im.name, h.slice(), bytes, im.slice_offset, h.slice(),
                    im.tensor_elements, per);
     }
     std::shared_lock lock(slices_mu_);
@@ -501,11 +537,11 @@ class ServerNode final : public Server, public TransportHandler {
       }
     }
     if (auto it = slices_.find(MakeSliceKey(h.tensor(), h.slice())); it != slices_.end()) {
-      if (it->second->elements * sizeof(float) != h.payload_len) {
+      if (it->second->elements * sizeof(float) != bytes) {
         return Error(StatusCode::kInvalidArgument,
                      "tensor '{}' slice {} holds {} elements here, not {}: is the slice size the "
                      "same on every worker?",
-                     im.name, h.slice(), it->second->elements, h.payload_len / sizeof(float));
+                     im.name, h.slice(), it->second->elements, bytes / sizeof(float));
       }
       *exists = true;
     }
@@ -533,18 +569,37 @@ class ServerNode final : public Server, public TransportHandler {
     (void)DecodeInit(meta, im);  // validated in OnHeader
     SliceState* slice = nullptr;
     if (!exists) {
-      const uint64_t n = h.payload_len / sizeof(float);
+      const uint64_t per = SliceElements();
+      const bool layout = (h.flags & kFlagLayout) != 0;
+      const uint64_t n = layout ? std::min(per, im.tensor_elements - im.slice_offset)
+                                : h.payload_len / sizeof(float);
       std::unique_lock lock(slices_mu_);
       const SliceKey key = MakeSliceKey(h.tensor(), h.slice());
+      // Checked again under the lock that ends the wait for copies (FinishCopies).
+      const bool awaiting = awaiting_copies_.load();
+      Status st = layout && !awaiting
+                      ? Error(StatusCode::kFailedPrecondition,
+                              "tensor '{}' slice {}: the copies are in already; a layout init "
+                              "came too late",
+                              im.name, h.slice())
+                      : Status::Ok();
+      if (!st.ok()) {
+        lock.unlock();
+        Refuse(peer, h, st, false);
+        return;
+      }
       if (!slices_.contains(key)) {  // else another worker's init won the race
-        const uint64_t per = SliceElements();
-        Status st = ledger_.Place(h.tensor(),
-                                  static_cast<uint32_t>((im.tensor_elements + per - 1) / per),
-                                  h.slice(), h.replica());
-        if (st.ok()) st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
+        st = ledger_.Place(h.tensor(),
+                           static_cast<uint32_t>((im.tensor_elements + per - 1) / per),
+                           h.slice(), h.replica());
+        // A server taking a lost rank's place creates the slice in the store once the copies
+        // are in (FinishCopies): from a copy, or from these values.
+        if (st.ok() && !awaiting) {
+          st = store_->InitSlice(key, {static_cast<const float*>(payload), n});
+        }
         if (!st.ok()) {
           lock.unlock();
-          ReleaseBuffer(payload, h.payload_len);
+          if (payload) ReleaseBuffer(payload, h.payload_len);
           Refuse(peer, h, st, false);
           return;
         }
@@ -555,6 +610,12 @@ class ServerNode final : public Server, public TransportHandler {
         s->replica = h.replica();
         s->elements = n;
         s->version = stats_.rounds_applied;  // it exists from the current model version on
+        s->awaiting_copy = awaiting;
+        s->layout_only = layout;
+        if (awaiting && !layout) {
+          s->init_values.assign(static_cast<const float*>(payload),
+                                static_cast<const float*>(payload) + n);
+        }
         // A tensor's slices here share the optimizer of its first registration.
         auto t = tensors_.try_emplace(h.tensor(),
                                       TensorMeta{im.name, im.tensor_elements,
@@ -565,7 +626,7 @@ class ServerNode final : public Server, public TransportHandler {
         slices_.emplace(key, std::move(s));
       }
       lock.unlock();
-      ReleaseBuffer(payload, h.payload_len);
+      if (payload) ReleaseBuffer(payload, h.payload_len);
     }
     slice = FindSlice(h.tensor(), h.slice());
     FrameHeader ack = MakeHeader(MsgType::kInitAck, id_);
@@ -624,7 +685,7 @@ class ServerNode final : public Server, public TransportHandler {
       return;
     }
     std::lock_guard lock(s->mu);
-    if (s->version >= h.min_version()) {
+    if (!s->awaiting_copy && s->version >= h.min_version()) {
       ReplyPull(*s, peer, h.request);
     } else {
       s->waiting.push_back({peer, h.request, h.min_version()});
@@ -721,6 +782,15 @@ class ServerNode final : public Server, public TransportHandler {
           ledger_.Configure(*job_.job_key, job_.id, job_.num_servers,
                             StagingWindow(job_.sync, job_.replicas), job_.replicas);
           if (job_.restore) result_ = RestoreCheckpoint(*job_.restore);
+          if (job_.takeover_from) {
+            // The lost server's rank: rounds from here on; its slices as copies (kCopyOut).
+            stats_.rounds_applied = *job_.takeover_from;
+            awaiting_copies_ = true;
+            ledger_.set_window(ledger_.window() * kTakeoverStagingFactor);
+            spdlog::info("server {}: takes the place of the lost server of rank {} from round "
+                         "{}; its slices come as copies from the other servers",
+                         job_.id, ServerRank(job_.id), *job_.takeover_from);
+          }
           if (!result_.ok()) {
             spdlog::error("server {}: {}", id_.load(), result_.message());
             cv_.notify_all();
@@ -743,7 +813,7 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       case MsgType::kRound: {
-        PendingRound r{h.round(), {}, std::nullopt, {}};
+        PendingRound r{h.round(), {}, std::nullopt, {}, {}, {}, 0};
         Status st = DecodeRound(meta, r.members);
         std::lock_guard lock(mu_);
         if (!st.ok()) {
@@ -795,13 +865,41 @@ class ServerNode final : public Server, public TransportHandler {
                      id_.load(), h.gone_server(), h.losses());
         return;
       }
+      case MsgType::kServerBack:
+        spdlog::info("server {}: a new server took the place of server {}", id_.load(),
+                     h.gone_server());
+        return;
+      case MsgType::kCopyOut: {
+        std::lock_guard lock(mu_);
+        if (awaiting_copies_.load()) {  // this server is the one the copies are for
+          copy_at_ = h.round();
+          copies_expected_ = h.senders();
+          takeover_number_ = h.backs();
+          spdlog::info("server {}: {} server(s) send the copies of this rank at version {}",
+                       id_.load(), copies_expected_, h.round());
+          if (copies_expected_ == 0) FinishCopies();
+          cv_.notify_all();
+          return;
+        }
+        // Queued behind the rounds before it: the apply thread sends them in order.
+        PendingRound copy{h.round(), {}, std::nullopt, {}, h.gone_server(), {}, h.backs()};
+        Status st = DecodeLiveRanks(meta, job_.num_servers, copy.live);
+        if (!st.ok()) {
+          result_ = st.WithContext("copy request from the scheduler");
+        } else {
+          rounds_.push_back(std::move(copy));
+        }
+        cv_.notify_all();
+        return;
+      }
       case MsgType::kCheckpoint: {
         // Queued behind the rounds before it: the apply thread writes it in order.
         std::lock_guard lock(mu_);
         if (meta.empty()) {
           result_ = Error(StatusCode::kProtocol, "a checkpoint request names no directory");
         } else {
-          rounds_.push_back(PendingRound{h.round(), {}, std::nullopt, std::string(AsText(meta))});
+          rounds_.push_back(
+              PendingRound{h.round(), {}, std::nullopt, std::string(AsText(meta)), {}, {}, 0});
         }
         cv_.notify_all();
         return;
@@ -861,25 +959,41 @@ class ServerNode final : public Server, public TransportHandler {
     std::vector<size_t> used;         // staged entries the round consumed
   };
 
+  // On a server taking a lost rank's place, a round before the copies' version only
+  // releases what it staged (the copies hold its effect); a later one waits for the copies.
+  bool NextRoundReady() const {
+    if (rounds_.empty()) return false;
+    if (copy_at_ && rounds_.front().round < *copy_at_) return true;
+    return !awaiting_copies_.load();
+  }
+
   void ApplyLoop() {
     RoundScratch scratch;
     while (true) {
       PendingRound r;
+      bool release_only = false;
       {
         std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !rounds_.empty(); });
+        cv_.wait(lock, [&] { return stop_ || NextRoundReady(); });
         if (stop_) return;
         r = std::move(rounds_.front());
         rounds_.pop_front();
+        // By number: the copies may be in before every round below their version is released.
+        release_only = copy_at_ && r.round < *copy_at_;
       }
       if (!r.checkpoint_dir.empty()) {
         ReportCheckpoint(r.round, WriteCheckpoint(r.round, r.checkpoint_dir));
         continue;
       }
-      Status st = r.round == stats_.rounds_applied
-                      ? ApplyRound(r, scratch)
-                      : Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
-                              r.round, stats_.rounds_applied.load());
+      if (r.copy_for) {
+        SendCopies(r.round, r.takeover, *r.copy_for, r.live);
+        continue;
+      }
+      Status st = r.round != stats_.rounds_applied
+                      ? Error(StatusCode::kProtocol, "round {} arrived but the next round is {}",
+                              r.round, stats_.rounds_applied.load())
+                  : release_only ? ReleaseRound(r)
+                                 : ApplyRound(r, scratch);
       if (!st.ok()) {
         // Never skip: a round this server cannot apply as decided would leave its slices
         // different from everyone else's. Stop the job and say which gradient it was.
@@ -894,7 +1008,7 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       }
       ++stats_.rounds_applied;
-      stats_.gradients_applied += r.members.size();
+      if (!release_only) stats_.gradients_applied += r.members.size();
       FrameHeader done = MakeHeader(MsgType::kApplied, id_);
       done.set_round(r.round);
       (void)SendControl(*transport_, scheduler_, done);
@@ -1012,19 +1126,257 @@ class ServerNode final : public Server, public TransportHandler {
       std::shared_lock lock(slices_mu_);
       c.slices.reserve(slice_list_.size());
       for (SliceState* s : slice_list_) {
-        const TensorMeta& t = tensors_.at(s->tensor);
         CheckpointSlice cs;
-        cs.tensor = s->tensor;
-        cs.slice = s->index;
-        cs.replica = s->replica;
-        cs.meta = InitMeta{t.name, t.elements, uint64_t{s->index} * SliceElements(), t.optimizer,
-                           t.shape};
-        std::lock_guard slock(s->mu);
-        DSYNC_RETURN_IF_ERROR(store_->Snapshot(s->key, cs.snapshot));
+        DSYNC_RETURN_IF_ERROR(SnapshotSlice(*s, cs));
         c.slices.push_back(std::move(cs));
       }
     }
     return WriteServerCheckpoint(dir, c);
+  }
+
+  // A slice as checkpoints and copies hold it: the tensor's metadata, values and optimizer
+  // state. Under slices_mu_.
+  Status SnapshotSlice(SliceState& s, CheckpointSlice& cs) {
+    const TensorMeta& t = tensors_.at(s.tensor);
+    cs.tensor = s.tensor;
+    cs.slice = s.index;
+    cs.replica = s.replica;
+    cs.meta = InitMeta{t.name, t.elements, uint64_t{s.index} * SliceElements(), t.optimizer,
+                       t.shape};
+    std::lock_guard slock(s.mu);
+    return store_->Snapshot(s.key, cs.snapshot);
+  }
+
+  // --- a new server taking a lost rank's place (docs/design.md, "Recreating lost copies") --
+
+  // A round before the copies' version on the new server: the copies hold what it applied;
+  // what it named that was staged here is released.
+  Status ReleaseRound(const PendingRound& r) {
+    std::shared_lock lock(slices_mu_);
+    for (SliceState* s : slice_list_) {
+      std::lock_guard slock(s->mu);
+      std::erase_if(s->staged, [&](const Staged& st) {
+        const bool named = std::any_of(r.members.begin(), r.members.end(), [&](const RoundEntry& e) {
+          return e.member.worker == st.worker && e.member.clock == st.clock;
+        });
+        if (named) {
+          ReleaseBuffer(st.data, s->elements * sizeof(float));
+          --stats_.staged_now;
+        }
+        return named;
+      });
+    }
+    for (const RoundEntry& e : r.members) ledger_.Applied(e.member.worker, e.member.clock);
+    return Status::Ok();
+  }
+
+  // This server applied every round before `version`: for takeover number `takeover`, it
+  // sends the server of `for_id`'s rank
+  // the copies that rank holds of the slices here whose first live copy (besides that rank)
+  // this server is, in frames of about kCopyChunkBytes, the last flagged.
+  void SendCopies(Version version, uint32_t takeover, NodeId for_id,
+                  const std::vector<bool>& live) {
+    const uint32_t n = job_.num_servers;
+    const uint32_t me = ServerRank(id_);
+    const uint32_t target = ServerRank(for_id);
+    const auto send = [&](ServerCheckpoint& chunk, bool last) -> Status {
+      auto bytes = std::make_unique<std::vector<std::byte>>(SerializeServerCheckpoint(chunk));
+      chunk.slices.clear();
+      if (bytes->size() > kMaxPayloadBytes) {
+        return Error(StatusCode::kOutOfRange, "a slice's copy of {} bytes is more than a frame "
+                                              "carries ({} bytes); lower --slice-bytes",
+                     bytes->size(), kMaxPayloadBytes);
+      }
+      FrameHeader h = MakeHeader(MsgType::kCopy, id_);
+      h.set_round(version);
+      h.set_backs(takeover);
+      if (last) h.flags |= kFlagLast;
+      std::vector<std::byte>* raw = bytes.get();
+      DSYNC_RETURN_IF_ERROR(transport_->Send(scheduler_, h, {}, raw->data(), raw->size(),
+                                             [raw](const Status&) { delete raw; }));
+      (void)bytes.release();
+      return Status::Ok();
+    };
+    Status st = version == stats_.rounds_applied
+                    ? Status::Ok()
+                    : Error(StatusCode::kProtocol, "asked for copies of version {} after applying "
+                                                   "{} round(s)",
+                            version, stats_.rounds_applied.load());
+    ServerCheckpoint chunk{me, n, version, job_.slice_bytes, {}};
+    uint64_t chunk_bytes = 0, sent = 0;
+    if (st.ok()) {
+      std::shared_lock lock(slices_mu_);
+      for (SliceState* s : slice_list_) {
+        const uint32_t primary = PrimaryRank(me, s->replica, n);
+        if (CopyNumber(target, primary, n) >= job_.replicas) continue;
+        uint32_t donor = n;
+        for (uint32_t j = 0; j < job_.replicas && donor == n; ++j) {
+          const uint32_t rank = ReplicaRank(primary, j, n);
+          if (rank != target && rank < live.size() && live[rank]) donor = rank;
+        }
+        if (donor != me) continue;
+        CheckpointSlice cs;
+        st = SnapshotSlice(*s, cs);
+        if (!st.ok()) break;
+        chunk_bytes += (cs.snapshot.params.size() * (1 + cs.snapshot.state.size())) * sizeof(float);
+        chunk.slices.push_back(std::move(cs));
+        ++sent;
+        if (chunk_bytes >= kCopyChunkBytes) {
+          st = send(chunk, false);
+          chunk_bytes = 0;
+          if (!st.ok()) break;
+        }
+      }
+    }
+    if (st.ok()) st = send(chunk, true);
+    if (!st.ok()) {
+      spdlog::error("server {}: cannot send the copies server {} needs: {}", id_.load(), for_id,
+                    st.message());
+      FrameHeader h = MakeHeader(MsgType::kCopy, id_);
+      h.set_round(version);
+      h.set_backs(takeover);
+      h.flags |= kFlagLast;
+      h.status = static_cast<uint16_t>(st.code());
+      (void)transport_->Send(scheduler_, h, AsBytes(st.message()), nullptr, 0);
+      return;
+    }
+    spdlog::info("server {}: sent server {} the copies of {} slice(s) at version {}", id_.load(),
+                 for_id, sent, version);
+  }
+
+  // Copies relayed by the scheduler, from one of the other servers (payload: its file's
+  // bytes; null for none).
+  void TakeCopies(const FrameHeader& h, std::byte* payload) {
+    std::unique_ptr<std::byte[]> hold(payload);
+    std::optional<Version> at;
+    uint32_t number = 0;
+    {
+      std::lock_guard lock(mu_);
+      at = copy_at_;
+      number = takeover_number_;
+    }
+    Status st = awaiting_copies_.load() && at && *at == h.round() && h.backs() == number
+                    ? Status::Ok()
+                    : Error(StatusCode::kProtocol, "copies of version {} came unasked", h.round());
+    if (st.ok() && !payload && h.payload_len > 0) {
+      st = Error(StatusCode::kResourceExhausted,
+                 "no memory for the {} bytes of copies from server {}", h.payload_len, h.sender);
+    }
+    if (st.ok() && payload) {
+      const std::string what = fmt::format("the copies from server {}", h.sender);
+      Result<ServerCheckpoint> c =
+          ParseServerCheckpoint({payload, h.payload_len}, what, std::nullopt);
+      st = c.status();
+      if (st.ok() && (c->num_servers != job_.num_servers || c->version != *at ||
+                      c->slice_bytes != job_.slice_bytes || c->rank >= job_.num_servers)) {
+        st = Error(StatusCode::kDataLoss, "{} are of rank {} of {} at version {} with slices of "
+                                          "{} bytes, not of this job at version {}",
+                   what, c->rank, c->num_servers, c->version, c->slice_bytes, *at);
+      }
+      for (size_t i = 0; st.ok() && i < c->slices.size(); ++i) {
+        st = InstallCopy(what, c->rank, *at, c->slices[i]);
+      }
+    }
+    hold.reset();
+    std::lock_guard lock(mu_);
+    if (!st.ok()) {
+      FailTakeover(st);
+      return;
+    }
+    if (h.flags & kFlagLast) ++copies_done_;
+    if (copies_done_ == copies_expected_ && awaiting_copies_.load()) FinishCopies();
+  }
+
+  Status InstallCopy(const std::string& what, uint32_t from_rank, Version at, CheckpointSlice& cs) {
+    const uint32_t n = job_.num_servers;
+    const uint32_t mine = CopyNumber(ServerRank(id_), PrimaryRank(from_rank, cs.replica, n), n);
+    if (cs.replica >= job_.replicas || mine >= job_.replicas) {
+      return Error(StatusCode::kDataLoss, "{}: tensor '{}' slice {} is no copy this rank holds",
+                   what, cs.meta.name, cs.slice);
+    }
+    cs.replica = mine;
+    const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
+    {
+      std::shared_lock lock(slices_mu_);
+      if (auto it = slices_.find(key); it != slices_.end()) {
+        SliceState& s = *it->second;
+        std::lock_guard slock(s.mu);
+        if (s.copied || !s.awaiting_copy || s.elements != cs.snapshot.params.size()) {
+          return Error(StatusCode::kDataLoss, "{}: tensor '{}' slice {} came twice or does not "
+                                              "fit the slice here",
+                       what, cs.meta.name, cs.slice);
+        }
+        DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot).WithContext(what));
+        s.copied = true;
+        std::vector<float>().swap(s.init_values);
+        return Status::Ok();
+      }
+    }
+    DSYNC_RETURN_IF_ERROR(RestoreSlice(what, at, cs));
+    SliceState* s = FindSlice(cs.tensor, cs.slice);
+    std::lock_guard slock(s->mu);
+    s->awaiting_copy = true;  // FinishCopies lets its pulls through with every other's
+    s->copied = true;
+    return Status::Ok();
+  }
+
+  // Every copy is in: slices no copy filled take their own init's values (a tensor none of
+  // the others had at that version), pulls waiting are answered, rounds from the copies'
+  // version on are applied from now on. Under mu_.
+  void FinishCopies() {
+    Status st;
+    {
+      std::unique_lock lock(slices_mu_);
+      for (SliceState* s : slice_list_) {
+        if (!s->awaiting_copy || s->copied) continue;
+        if (s->layout_only) {
+          st = Error(StatusCode::kDataLoss, "no server sent the copy of tensor {} slice {} "
+                                            "that this rank holds",
+                     s->tensor, s->index);
+          break;
+        }
+        st = store_->InitSlice(s->key, s->init_values);
+        if (!st.ok()) break;
+      }
+      if (st.ok()) {
+        for (SliceState* s : slice_list_) {
+          std::lock_guard slock(s->mu);
+          if (!s->awaiting_copy) continue;
+          s->awaiting_copy = false;
+          s->version = *copy_at_;
+          std::vector<float>().swap(s->init_values);
+          std::erase_if(s->waiting, [&](const WaitingPull& p) {
+            if (p.min_version > s->version) return false;
+            ReplyPull(*s, p.peer, p.request);
+            return true;
+          });
+        }
+        awaiting_copies_ = false;
+        ledger_.set_window(ledger_.window() / kTakeoverStagingFactor);
+      }
+    }
+    if (!st.ok()) {
+      FailTakeover(st);
+      return;
+    }
+    FrameHeader done = MakeHeader(MsgType::kCopied, id_);
+    done.set_round(*copy_at_);
+    (void)SendControl(*transport_, scheduler_, done);
+    spdlog::info("server {}: holds the copies of rank {} at version {}; it applies the rounds "
+                 "from there",
+                 id_.load(), ServerRank(id_), *copy_at_);
+    cv_.notify_all();
+  }
+
+  // Taking the rank over failed: the scheduler goes on without this server. Under mu_.
+  void FailTakeover(const Status& why) {
+    if (!result_.ok()) return;
+    result_ = why.WithContext(fmt::format("server {} taking over rank {}", id_.load(),
+                                          ServerRank(id_)));
+    spdlog::error("{}", result_.message());
+    FrameHeader about = MakeHeader(MsgType::kCopy, id_);
+    (void)SendError(*transport_, scheduler_, id_, result_, about);
+    cv_.notify_all();
   }
 
   void ReportCheckpoint(Version version, const Result<CheckpointFile>& file) {
@@ -1073,8 +1425,7 @@ class ServerNode final : public Server, public TransportHandler {
           // Copy j of a slice on rank r: its primary is r - j, and this rank holds copy
           // (rank - primary) mod S if that is below the job's copies.
           const uint32_t n = job_.num_servers;
-          const uint32_t primary = (c.rank + n - cs.replica % n) % n;
-          const uint32_t mine = (rank + n - primary) % n;
+          const uint32_t mine = CopyNumber(rank, PrimaryRank(c.rank, cs.replica, n), n);
           if (cs.replica >= job_.replicas) {
             return Error(StatusCode::kDataLoss,
                          "checkpoint file '{}': tensor '{}' slice {} is copy {}, but the job "
@@ -1087,7 +1438,7 @@ class ServerNode final : public Server, public TransportHandler {
           std::shared_lock lock(slices_mu_);
           if (slices_.contains(MakeSliceKey(cs.tensor, cs.slice))) continue;  // another copy
         }
-        DSYNC_RETURN_IF_ERROR(RestoreSlice(file, c.version, cs));
+        DSYNC_RETURN_IF_ERROR(RestoreSlice(fmt::format("checkpoint file '{}'", file), c.version, cs));
         ++restored;
       }
     }
@@ -1100,7 +1451,7 @@ class ServerNode final : public Server, public TransportHandler {
     return Status::Ok();
   }
 
-  Status RestoreSlice(const std::string& file, Version version, CheckpointSlice& cs) {
+  Status RestoreSlice(const std::string& what, Version version, CheckpointSlice& cs) {
     const uint64_t per = SliceElements();
     std::unique_lock lock(slices_mu_);
     const SliceKey key = MakeSliceKey(cs.tensor, cs.slice);
@@ -1109,15 +1460,15 @@ class ServerNode final : public Server, public TransportHandler {
         cs.meta.slice_offset != uint64_t{cs.slice} * per ||
         n != std::min(per, cs.meta.tensor_elements - std::min(cs.meta.tensor_elements,
                                                               cs.meta.slice_offset))) {
-      return Error(StatusCode::kDataLoss, "checkpoint file '{}': tensor '{}' slice {} does not "
-                                          "fit the job's slicing",
-                   file, cs.meta.name, cs.slice);
+      return Error(StatusCode::kDataLoss, "{}: tensor '{}' slice {} does not fit the job's "
+                                          "slicing",
+                   what, cs.meta.name, cs.slice);
     }
     DSYNC_RETURN_IF_ERROR(ledger_.Place(
         cs.tensor, static_cast<uint32_t>((cs.meta.tensor_elements - 1) / per + 1), cs.slice,
         cs.replica));
     DSYNC_RETURN_IF_ERROR(store_->Restore(key, cs.snapshot)
-                              .WithContext(fmt::format("restoring '{}'", file)));
+                              .WithContext(fmt::format("restoring {}", what)));
     auto t = tensors_.try_emplace(cs.tensor,
                                   TensorMeta{cs.meta.name, cs.meta.tensor_elements,
                                              cs.meta.optimizer.value_or(job_.optimizer),
@@ -1220,6 +1571,14 @@ class ServerNode final : public Server, public TransportHandler {
   std::thread rejoin_thread_;
   RejoinState rejoin_;
   Round next_round_in_ = 0;  // the next round the scheduler has not sent yet
+  // Taking a lost rank's place (Welcome::takeover_from): until every copy is in (written
+  // under slices_mu_, exclusively), slices wait for copies; the copies' version and how many
+  // servers send them (under mu_).
+  std::atomic<bool> awaiting_copies_{false};
+  std::optional<Version> copy_at_;
+  uint32_t takeover_number_ = 0;  // kCopyOut's backs(): the copies must name it
+  uint32_t copies_expected_ = 0;
+  uint32_t copies_done_ = 0;
 
   mutable std::shared_mutex slices_mu_;  // the maps below; exclusive only to add a slice
   std::unordered_map<SliceKey, std::unique_ptr<SliceState>> slices_;

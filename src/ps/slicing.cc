@@ -46,4 +46,18 @@ void SlicePlanner::Unplan(const TensorLayout& latest) {
   next_slot_ -= std::min<uint64_t>(next_slot_, latest.slices.size());
 }
 
+std::vector<bool> LostNow(const std::vector<NodeId>& losses, const std::vector<NodeId>& takeovers,
+                          uint32_t num_servers) {
+  std::vector<int64_t> balance(num_servers, 0);
+  for (NodeId id : losses) {
+    if (id >= kFirstServerId && id - kFirstServerId < num_servers) ++balance[id - kFirstServerId];
+  }
+  for (NodeId id : takeovers) {
+    if (id >= kFirstServerId && id - kFirstServerId < num_servers) --balance[id - kFirstServerId];
+  }
+  std::vector<bool> lost(num_servers);
+  for (uint32_t r = 0; r < num_servers; ++r) lost[r] = balance[r] > 0;
+  return lost;
+}
+
 }  // namespace dsync::ps

@@ -33,10 +33,25 @@ inline uint32_t ReplicaRank(uint32_t primary, uint32_t j, uint32_t num_servers) 
   return static_cast<uint32_t>((uint64_t{primary} + j) % num_servers);
 }
 
+// The inverse: the primary of the slice whose copy `copy` is on rank `holder`, and which copy
+// of a slice with that primary rank `rank` holds (`replicas` or more: none).
+inline uint32_t PrimaryRank(uint32_t holder, uint32_t copy, uint32_t num_servers) {
+  return static_cast<uint32_t>((uint64_t{holder} + num_servers - copy % num_servers) % num_servers);
+}
+inline uint32_t CopyNumber(uint32_t rank, uint32_t primary, uint32_t num_servers) {
+  return static_cast<uint32_t>((uint64_t{rank} + num_servers - primary) % num_servers);
+}
+
 // Whether every slice still has a live copy with `replicas` copies per slice once the ranks
 // marked in `lost` are gone: no `replicas` ranks in a row (cyclically) are all lost. That
 // holds whatever tensors exist, so it is what the job checks before it goes on.
 bool EverySliceHasACopy(const std::vector<bool>& lost, uint32_t replicas);
+
+// By rank (of `num_servers`), whether a server is lost now: `losses` lists the servers lost
+// and `takeovers` the ranks a new server took over since, each in order; a rank is lost when
+// it was lost more often than taken over. Ids that are not servers of the job are ignored.
+std::vector<bool> LostNow(const std::vector<NodeId>& losses, const std::vector<NodeId>& takeovers,
+                          uint32_t num_servers);
 
 class SlicePlanner {
  public:

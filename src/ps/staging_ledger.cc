@@ -15,6 +15,11 @@ void StagingLedger::Configure(const JobKey& key, NodeId server, uint32_t num_ser
   replicas_ = std::clamp<uint32_t>(replicas, 1, num_servers_);
 }
 
+void StagingLedger::set_window(uint32_t window) {
+  std::lock_guard lock(mu_);
+  window_ = window;
+}
+
 Status StagingLedger::Place(TensorId tensor, uint32_t slices, uint32_t slice, uint32_t replica) {
   std::lock_guard lock(mu_);
   if (replica >= replicas_ || slice >= slices) {

@@ -51,6 +51,8 @@ class StagingLedger {
   void Gone(WorkerId w, Clock next_clock);
 
   uint32_t window() const { return window_; }
+  // A new quota (a server taking a lost rank over stages more until its copies are in).
+  void set_window(uint32_t window);
 
  private:
   struct Placement {

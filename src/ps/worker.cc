@@ -13,11 +13,13 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "ps/launcher_pipe.h"
@@ -82,14 +84,15 @@ class WorkerNode final : public Worker, public TransportHandler {
       job_.observer = w.observer;
       planner_.emplace(w.slice_bytes, static_cast<uint32_t>(sizeof(float)), job_.num_servers);
       replicas_ = std::clamp<uint32_t>(w.replicas, 1, job_.num_servers);
-      server_lost_.assign(job_.num_servers, false);
+      server_lost_ = LostNow(w.servers_lost, w.servers_back, job_.num_servers);
       server_cut_.assign(job_.num_servers, std::nullopt);
-      for (NodeId lost : w.servers_lost) server_lost_[ServerRank(lost)] = true;
+      rank_losses_.assign(job_.num_servers, 0);
+      push_from_.assign(job_.num_servers, 0);
+      serving_.assign(job_.num_servers, true);
+      for (NodeId s : w.servers_filling) serving_[ServerRank(s)] = false;
       losses_ = static_cast<uint32_t>(w.servers_lost.size());
-      // Losses announced after the welcome, before it was read here.
-      for (const auto& [server, losses] : std::exchange(early_losses_, {})) {
-        (void)MarkLost(server, losses);
-      }
+      // Losses and takeovers announced after the welcome, before it was read here.
+      for (const auto& [h, meta] : std::exchange(early_news_, {})) ServerNews(h, AsBytes(meta));
       clock_ = w.start_clock;
       gate_clock_ = w.start_clock;
       gate_ = w.gate;
@@ -146,6 +149,11 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     heartbeat_ = std::thread([this, interval = w.heartbeat_interval_ms] { Heartbeat(interval); });
+    {
+      std::lock_guard lock(mu_);
+      servers_connected_ = true;  // takeovers announced meanwhile are taken from now on
+      cv_.notify_all();
+    }
     const std::string copies =
         replicas_ > 1 ? fmt::format(", {} copies of each slice", replicas_) : std::string();
     if (job_.observer) {
@@ -246,6 +254,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     Tensor t;
     t.name = std::string(name);
     t.layout = std::move(layout);
+    t.options = options;
     t.slice_version.assign(t.layout.slices.size(), 0);
     tensors_.push_back(std::move(t));
     // The primaries first: the first registration of a slice sets its values there. With
@@ -476,6 +485,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void* payload) override {
     std::lock_guard lock(mu_);
+    if (retired_peers_.contains(peer)) return;  // a lost server's, replaced since
     // Frames a lost server sent before its loss was heard of here are dropped, but for a pull
     // reply whose payload was already being written (it is whole, and of a version the job
     // applied: it is taken).
@@ -529,7 +539,14 @@ class WorkerNode final : public Worker, public TransportHandler {
         if (job_.observer && peer == scheduler_) final_version_ = h.final_version();
         break;
       case MsgType::kServerGone:
-        if (peer == scheduler_) OnServerLost(h.gone_server(), h.losses());
+      case MsgType::kServerBack:
+      case MsgType::kServerServes:
+        if (peer != scheduler_) break;
+        if (server_lost_.empty()) {  // before Init took the welcome: applied then
+          early_news_.emplace_back(h, std::string(AsText(meta)));
+        } else {
+          ServerNews(h, meta);
+        }
         break;
       default:
         spdlog::warn("worker {}: unexpected {} frame", job_.worker_id, MsgTypeName(h.msg_type()));
@@ -553,6 +570,15 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     if (leaving_ || left_) return;
     if (peer != scheduler_ && IsLost(peer)) return;  // closed here once the scheduler said so
+    if (peer == handshake_peer_ && servers_connected_ && RankOf(peer) == kNoRank) {
+      // A server taking a lost rank over went during the handshake (TakeoverLoop).
+      if (!handshake_done_) {
+        handshake_error_ = Error(StatusCode::kUnavailable, "it closed the connection ({})",
+                                 why.message());
+        handshake_done_ = true;
+      }
+      return;
+    }
     if (peer == scheduler_ && reconnect_grace_ms_ > 0 && broken_.ok() && !stop_) {
       // The job journals its scheduler: it may be restarted. Pushes and pulls go on; commits
       // wait for it.
@@ -616,6 +642,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   struct Tensor {
     std::string name;
     TensorLayout layout;
+    TensorOptions options;  // as registered (a server taking a lost rank over is told them)
     std::vector<Version> slice_version;  // newest version read per slice
     Version version = 0;                 // lowest of them
     Clock pushed_clock = kNever;
@@ -676,6 +703,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     std::unique_lock lock(mu_);
     handshake_done_ = false;
     handshake_reply_.clear();
+    handshake_peer_ = peer;
+    handshake_error_ = Status::Ok();
     handshake_heard_ = SteadyClock::now();
     DSYNC_RETURN_IF_ERROR(transport_->Send(peer, MakeHeader(MsgType::kHello, hello.node),
                                            AsBytes(EncodeHello(hello)), nullptr, 0));
@@ -690,6 +719,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     if (!broken_.ok()) return broken_.WithContext(fmt::format("joining via {}", who));
+    if (!handshake_error_.ok()) return handshake_error_.WithContext(who);
     return handshake_reply_;
   }
 
@@ -856,7 +886,9 @@ class WorkerNode final : public Worker, public TransportHandler {
       h.set_base(cs.base);
       for (uint32_t j = 0; j < replicas_; ++j) {  // every live copy stages it
         const uint32_t rank = ReplicaRank(s.server, j, job_.num_servers);
-        if (server_lost_[rank]) continue;
+        // A server that took a lost rank over gets the clocks from the one this worker told
+        // the scheduler on (TakeoverLoop).
+        if (server_lost_[rank] || clock_ < push_from_[rank]) continue;
         ++ops_[op].outstanding;
         ++cs.acks_outstanding;
         ++cs.acks_at[rank];
@@ -903,11 +935,13 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
   }
 
-  // The rank of the first live copy of slice `s` (its primary now), if any is left.
+  // The rank of the first live copy of slice `s` (its primary now), if any is left. A server
+  // taking a lost rank over serves once it holds its copies: a pull it held meanwhile would
+  // hold the clocks whose rounds decide when it gets them.
   std::optional<uint32_t> PrimaryOf(const SliceRef& s) const {
     for (uint32_t j = 0; j < replicas_; ++j) {
       const uint32_t r = ReplicaRank(s.server, j, job_.num_servers);
-      if (!server_lost_[r]) return r;
+      if (!server_lost_[r] && serving_[r]) return r;
     }
     return std::nullopt;
   }
@@ -964,19 +998,17 @@ class WorkerNode final : public Worker, public TransportHandler {
   // already known or a rank that is not the job's.
   bool MarkLost(NodeId server, uint32_t losses) {
     const uint32_t rank = ServerRank(server);
-    if (rank >= server_lost_.size() || server_lost_[rank] || losses <= losses_) return false;
-    server_lost_[rank] = true;
+    if (rank >= server_lost_.size() || losses <= losses_) return false;
     losses_ = losses;
+    ++rank_losses_[rank];  // a takeover of it announced before is void
+    if (server_lost_[rank]) return false;
+    server_lost_[rank] = true;
     return true;
   }
 
   // The scheduler lost a server: what it owed is given up, its share of every commit's
   // receipts taken out, and pulls it was asked go to the next copy of each slice.
   void OnServerLost(NodeId server, uint32_t losses) {
-    if (server_lost_.empty()) {  // before Init took the welcome: applied then
-      early_losses_.emplace_back(server, losses);
-      return;
-    }
     if (!MarkLost(server, losses)) return;
     const uint32_t rank = ServerRank(server);
     spdlog::warn("worker {}: server {} was lost; its slices' other copies serve from now on",
@@ -1001,6 +1033,138 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     TryCommit();
+  }
+
+  // A new server took a lost rank's place: this worker connects to it (TakeoverLoop), in
+  // the order such news came. Observers read from the other copies and never connect.
+  // The scheduler's news of the job's servers, in the order it sent them.
+  void ServerNews(const FrameHeader& h, std::span<const std::byte> meta) {
+    const NodeId id = h.gone_server();
+    if (id < kFirstServerId || ServerRank(id) >= server_lost_.size()) {
+      Break(Error(StatusCode::kProtocol, "the scheduler named server {}, which is not one of the "
+                                         "job's {}",
+                  id, server_lost_.size()));
+      return;
+    }
+    switch (h.msg_type()) {
+      case MsgType::kServerGone:
+        OnServerLost(id, h.losses());
+        return;
+      case MsgType::kServerBack:
+        OnServerBack(h, meta);
+        return;
+      default:
+        serving_[ServerRank(id)] = true;  // kServerServes
+    }
+  }
+
+  void OnServerBack(const FrameHeader& h, std::span<const std::byte> meta) {
+    if (job_.observer || stop_ || leaving_) return;
+    Result<ServerAddress> address = DecodeServerAddress(meta);
+    if (!address.ok() || address->id != h.gone_server()) {
+      Break(Error(StatusCode::kProtocol, "the scheduler's news of a new server is unreadable{}",
+                  address.ok() ? "" : ": " + address.status().message()));
+      return;
+    }
+    const uint32_t rank = ServerRank(address->id);
+    serving_[rank] = false;  // until it holds its copies (kServerServes)
+    takeovers_.push_back({h.backs(), std::move(address).value(), rank_losses_[rank]});
+    if (takeover_running_) return;
+    if (takeover_thread_.joinable()) takeover_thread_.join();  // the previous one, done
+    takeover_running_ = true;
+    takeover_thread_ = std::thread([this] { TakeoverLoop(); });
+  }
+
+  void TakeoverLoop() {
+    std::unique_lock lock(mu_);
+    const auto quit = [&] { return stop_ || leaving_ || !broken_.ok(); };
+    while (true) {
+      cv_.wait(lock, [&] { return quit() || servers_connected_; });
+      if (quit() || takeovers_.empty()) break;
+      TakeoverNews news = std::move(takeovers_.front());
+      takeovers_.pop_front();
+      const ServerAddress& a = news.address;
+      const uint32_t rank = ServerRank(a.id);
+      lock.unlock();
+      Result<PeerId> peer = transport_->Connect(a.host, a.port, cfg_.connect_timeout_ms);
+      Status st = peer.status();
+      if (st.ok()) {
+        Hello hello;
+        hello.role = Role::kWorker;
+        hello.token = cfg_.token;
+        hello.node = job_.worker_id;
+        hello.credential = credential_;
+        Result<std::string> proof = Handshake(*peer, hello, fmt::format("server {}", a.id));
+        st = proof.status();
+        if (st.ok() && (proof->size() != a.proof.size() ||
+                        std::memcmp(proof->data(), a.proof.data(), a.proof.size()) != 0)) {
+          st = Error(StatusCode::kPermissionDenied,
+                     "{}:{} is not server {} of this job (its proof does not match what the "
+                     "scheduler said)",
+                     a.host, a.port, a.id);
+        }
+      }
+      lock.lock();
+      // Registrations read the set of live copies while they wait: take the server in
+      // between two of them.
+      cv_.wait(lock, [&] { return quit() || !registering_; });
+      const bool void_now = rank_losses_[rank] != news.rank_losses || quit();
+      if (!st.ok() || void_now) {
+        if (peer.ok()) transport_->Close(*peer);
+        if (!void_now) {
+          spdlog::warn("worker {}: cannot reach server {}, which takes a lost rank's place: {}",
+                       job_.worker_id, a.id, st.message());
+          FrameHeader ack = MakeHeader(MsgType::kServerBackAck, job_.worker_id);
+          ack.set_backs(news.backs);
+          ack.status = static_cast<uint16_t>(st.code());
+          (void)transport_->Send(scheduler_, ack, AsBytes(st.message()), nullptr, 0);
+        }
+        continue;
+      }
+      if (servers_[rank] != kNoPeer) {
+        retired_peers_.insert(servers_[rank]);
+        server_ids_.erase(servers_[rank]);
+      }
+      servers_[rank] = *peer;
+      server_ids_[*peer] = a.id;
+      server_lost_[rank] = false;
+      server_cut_[rank] = std::nullopt;
+      // The clock in progress keeps the copies it started with; the next ones go there too.
+      const Clock from = !clocks_.empty() && clocks_.back().clock == clock_ ? clock_ + 1 : clock_;
+      push_from_[rank] = from;
+      SendLayouts(rank);
+      FrameHeader ack = MakeHeader(MsgType::kServerBackAck, job_.worker_id);
+      ack.set_backs(news.backs);
+      ack.set_next_clock(from);
+      if (Status sent = SendControl(*transport_, scheduler_, ack); !sent.ok()) Break(sent);
+      spdlog::info("worker {}: server {} took the place of the lost server of rank {}; this "
+                   "worker pushes to it from clock {}",
+                   job_.worker_id, a.id, rank, from);
+    }
+    takeover_running_ = false;
+  }
+
+  // The slices the server of `rank` holds, without values: it creates them, and the other
+  // servers' copies fill them.
+  void SendLayouts(uint32_t rank) {
+    std::vector<std::byte> meta;
+    for (uint32_t id = 0; id < tensors_.size(); ++id) {
+      const Tensor& t = tensors_[id];
+      for (const SliceRef& s : t.layout.slices) {
+        for (uint32_t j = 0; j < replicas_; ++j) {
+          if (ReplicaRank(s.server, j, job_.num_servers) != rank) continue;
+          EncodeInit({t.name, t.layout.elements, s.offset, t.options.optimizer, t.options.shape},
+                     meta);
+          FrameHeader h = MakeHeader(MsgType::kInit, job_.worker_id);
+          h.set_tensor(id);
+          h.set_slice(s.index);
+          h.set_replica(j);
+          h.dtype = static_cast<uint8_t>(DType::kFloat32);
+          h.flags = kFlagLayout;
+          (void)transport_->Send(servers_[rank], h, meta, nullptr, 0);  // answered, not awaited
+        }
+      }
+    }
   }
 
   ClockState& CurrentClockState() {
@@ -1174,6 +1338,14 @@ class WorkerNode final : public Worker, public TransportHandler {
                  peer == scheduler_ ? std::string("the scheduler")
                                     : fmt::format("server {}", server_ids_[peer]),
                  st.ToString());
+    if (about == MsgType::kHello && peer != scheduler_ && peer == handshake_peer_ &&
+        servers_connected_) {
+      // A server taking a lost rank over refused this worker: the takeover fails, the worker
+      // goes on without it (TakeoverLoop tells the scheduler).
+      handshake_error_ = st;
+      handshake_done_ = true;
+      return;
+    }
     if (about == MsgType::kHello) {
       Break(st);
       return;
@@ -1241,6 +1413,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     }
     if (heartbeat_.joinable()) heartbeat_.join();
     if (rejoin_thread_.joinable()) rejoin_thread_.join();
+    if (takeover_thread_.joinable()) takeover_thread_.join();
     transport_->Shutdown();
   }
 
@@ -1266,6 +1439,8 @@ class WorkerNode final : public Worker, public TransportHandler {
   bool registering_ = false;  // a Register is waiting for the servers' answers
   bool handshake_done_ = false;
   std::string handshake_reply_;
+  PeerId handshake_peer_ = kNoPeer;  // the peer the handshake under way is with
+  Status handshake_error_;           // that peer refused the hello
   SteadyClock::time_point handshake_heard_;  // the peer's last word during the handshake
   std::string pending_why_;                  // what the scheduler said admission waits for
   uint32_t payload_sends_ = 0;               // sends still reading the caller's memory
@@ -1280,7 +1455,24 @@ class WorkerNode final : public Worker, public TransportHandler {
   // was lost (a server that dies is lost for the scheduler too; this bounds the wait).
   std::vector<std::optional<SteadyClock::time_point>> server_cut_;
   uint32_t losses_ = 0;                       // servers lost so far, as the scheduler counts
-  std::vector<std::pair<NodeId, uint32_t>> early_losses_;  // announced before the welcome
+  std::vector<uint32_t> rank_losses_;         // by rank: losses of it heard of
+  // Servers that took a lost rank's place (kServerBack), connected to by takeover_thread_ in
+  // order; by rank, the first clock pushed to the server there (a new one: from the clock
+  // this worker told the scheduler); the connections of the servers they replaced.
+  struct TakeoverNews {
+    uint32_t backs = 0;
+    ServerAddress address;
+    uint32_t rank_losses = 0;  // rank_losses_ when announced: a later loss voids it
+  };
+  std::deque<TakeoverNews> takeovers_;
+  std::thread takeover_thread_;
+  bool takeover_running_ = false;
+  bool servers_connected_ = false;  // Init connected to the servers of its welcome
+  std::vector<Clock> push_from_;
+  std::vector<bool> serving_;  // by rank: pulls may go there (false: taking over, no copies)
+  std::unordered_set<PeerId> retired_peers_;
+  // News of the servers (kServerGone, kServerBack, kServerServes) before the welcome was read.
+  std::vector<std::pair<FrameHeader, std::string>> early_news_;
   bool leaving_ = false;
   bool left_ = false;
   // SetLearningRate: the request waiting for the scheduler's answer, and the answer.
