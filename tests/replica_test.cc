@@ -269,6 +269,57 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
   fs::remove_all(dump);
 }
 
+// A server registering while every rank has its server is refused, saying so. A new server
+// that goes before it holds its copies costs nothing (the job goes on as before it came),
+// and the next new server takes the rank over: the job ends with the model of the job that
+// lost nothing, bit for bit.
+TEST(Replicas, ANewServerIsRefusedWhileNoRankIsLostAndOneThatGoesEarlyCostsNothing) {
+  const fs::path ref = FreshDir("again-ref"), dump = FreshDir("again");
+  const JobResult through = RunJob(ReplicaJobConfig(3, 1, ref));
+  ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
+  std::unique_ptr<Server> fresh;
+  std::thread fresh_run;
+  const auto server_config = [](LocalCluster& cluster) {
+    Config sc = cluster.WorkerConfig();
+    sc.role = Role::kServer;
+    sc.port = 0;
+    return sc;
+  };
+  const JobResult got =
+      RunJob(ReplicaJobConfig(3, 2, dump), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
+        if (rank != 0) return;
+        if (c == 2) {
+          auto refused = Server::Start(server_config(cluster));
+          ASSERT_FALSE(refused.ok());
+          EXPECT_NE(refused.status().message().find(
+                        "all 3 servers of this job have registered already, and none of them "
+                        "is lost"),
+                    std::string::npos)
+              << refused.status().ToString();
+        }
+        if (c == 4) cluster.server(1).Stop();
+        if (c == 6) {
+          auto early = Server::Start(server_config(cluster));
+          ASSERT_TRUE(early.ok()) << early.status().ToString();
+          // Gone at once: before, or while, the others copy it the rank's slices.
+        }
+        if (c == 12) {
+          auto s = Server::Start(server_config(cluster));
+          ASSERT_TRUE(s.ok()) << s.status().ToString();
+          fresh = std::move(s).value();
+          fresh_run = std::thread([&] { (void)fresh->Run(); });
+        }
+      });
+  ASSERT_TRUE(fresh_run.joinable());
+  fresh_run.join();
+  ASSERT_TRUE(got.finished.ok()) << got.finished.ToString();
+  ExpectSameModel(got, through, "a new server gone early, another taking its place");
+  EXPECT_EQ(got.stats.servers_lost, 2u);
+  EXPECT_EQ(got.stats.servers_restored, 1u);
+  fs::remove_all(ref);
+  fs::remove_all(dump);
+}
+
 // Two of three servers lost with two copies of each slice: some slice has no copy left, and
 // the job ends saying so instead of serving a partial model.
 TEST(Replicas, LosingEveryCopyOfASliceEndsTheJobSayingSo) {

@@ -1202,9 +1202,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     ServerEntry& s = servers_[ServerRank(id)];
     if (!takeover_ || takeover_->server() != id || takeover_->copy_at != at ||
         takeover_->copies_relayed != takeover_->copies_expected) {
-      Finish(Error(StatusCode::kProtocol, "server {} said it holds its copies of version {}, "
-                                          "which it was not sent",
-                   id, at));
+      const std::string what =
+          fmt::format("said it holds copies of version {}, which it was not sent", at);
+      if (s.taking_over) {
+        LoseServer(id, what);  // it holds nothing the job needs yet
+      } else {
+        spdlog::warn("scheduler: server {} {}; ignored", id, what);
+      }
       return;
     }
     s.taking_over = false;
@@ -1401,7 +1405,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     for (const ServerEntry& s : LiveServers()) {
-      if (s.applied < rule_.open_round()) return;
+      // A server taking a rank over ends the job holding its copies (or lost, within
+      // kTakeoverSeconds).
+      if (s.applied < rule_.open_round() || s.taking_over) return;
     }
     // The final checkpoint, before anyone is told the job is over; this runs again when it
     // has settled (written or failed).

@@ -196,8 +196,14 @@ class ServerNode final : public Server, public TransportHandler {
     if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
     if (rejoin_thread_.joinable()) rejoin_thread_.join();
     spdlog::info("server {} stopped after {} round(s)", id_.load(), stats_.rounds_applied.load());
-    // An evicted server's copies are stale: its summary would not be the job's model.
-    if (result.ok() && !evicted_ && !cfg_.dump_model.empty()) result = DumpModel();
+    // An evicted server's copies are stale, and one that never got its copies holds none:
+    // its summary would not be the job's model.
+    if (result.ok() && awaiting_copies_.load()) {
+      spdlog::warn("server {}: the job ended before this server held the copies of its rank",
+                   id_.load());
+    } else if (result.ok() && !evicted_ && !cfg_.dump_model.empty()) {
+      result = DumpModel();
+    }
     return result;
   }
 

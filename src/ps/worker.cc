@@ -1085,8 +1085,11 @@ class WorkerNode final : public Worker, public TransportHandler {
       takeovers_.pop_front();
       const ServerAddress& a = news.address;
       const uint32_t rank = ServerRank(a.id);
+      if (rank_losses_[rank] != news.rank_losses) continue;  // lost again since: not tried
       lock.unlock();
-      Result<PeerId> peer = transport_->Connect(a.host, a.port, cfg_.connect_timeout_ms);
+      // It listened before it registered: a refused connection means it is gone already.
+      Result<PeerId> peer =
+          transport_->Connect(a.host, a.port, std::min(cfg_.connect_timeout_ms, kRejoinAttemptMs));
       Status st = peer.status();
       if (st.ok()) {
         Hello hello;
