@@ -100,6 +100,27 @@ class MultiProcess : public ::testing::Test {
     EXPECT_GT(slices, servers);
   }
 
+  // The copies of each slice in the servers' dumps are alike (CRC-32); returns how many
+  // slices have more than one.
+  size_t CopiesAlike() {
+    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
+    for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
+      json j = json::parse(std::ifstream(entry.path()));
+      for (const json& s : j["slices"]) {
+        copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
+            s["crc32"].get<uint64_t>());
+      }
+    }
+    size_t compared = 0;
+    for (const auto& [key, crcs] : copies) {
+      compared += crcs.size() > 1 ? 1 : 0;
+      for (uint64_t crc : crcs) {
+        EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
+      }
+    }
+    return compared;
+  }
+
   // Bound and quorum over the scheduler's decisions; returns the rounds.
   std::vector<json> CheckAudit(uint32_t bound) {
     std::vector<json> rounds;
@@ -404,6 +425,18 @@ struct RoleJob {
       workers.push_back(std::make_unique<Proc>(args, env, dir / fmt("worker{}.log", i)));
     }
   }
+  // Ranks are given in the order servers register: each server's process by the id it
+  // logged (a server that logged none is left out, and the caller's size check fails).
+  std::map<uint32_t, Proc*> ServersById() const {
+    std::map<uint32_t, Proc*> by_id;
+    for (const auto& s : servers) {
+      std::smatch m;
+      const std::string out = s->Output();
+      EXPECT_TRUE(std::regex_search(out, m, std::regex("server (\\d+) listening"))) << out;
+      if (!m.empty()) by_id[static_cast<uint32_t>(std::stoul(m[1]))] = s.get();
+    }
+    return by_id;
+  }
   static std::string fmt(const char* pattern, uint32_t i) {
     std::string s = pattern;
     return s.replace(s.find("{}"), 2, std::to_string(i));
@@ -616,13 +649,7 @@ TEST_F(MultiProcess, WithTwoCopiesAJobOutlivesAKilledAndAHungServerExactly) {
   ASSERT_TRUE(job.workers[2]->WaitForOutput("joined", 20s)) << job.workers[2]->Output();
   // Ranks are given in the order servers register: find ids 1 and 3 (not adjacent, so every
   // slice keeps a copy).
-  std::map<uint32_t, Proc*> by_id;
-  for (auto& s : job.servers) {
-    std::smatch m;
-    const std::string out = s->Output();
-    ASSERT_TRUE(std::regex_search(out, m, std::regex("server (\\d+) listening"))) << out;
-    by_id[static_cast<uint32_t>(std::stoul(m[1]))] = s.get();
-  }
+  std::map<uint32_t, Proc*> by_id = job.ServersById();
   ASSERT_EQ(by_id.size(), 5u);
   std::this_thread::sleep_for(500ms);
   by_id[1]->Signal(SIGKILL);
@@ -650,22 +677,7 @@ TEST_F(MultiProcess, WithTwoCopiesAJobOutlivesAKilledAndAHungServerExactly) {
   EXPECT_NE(sched.find("servers lost 2"), std::string::npos) << sched;
   EXPECT_EQ(total, 3u * iters);
   ExpectModelCount(total, 3);
-  std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
-  for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
-    json j = json::parse(std::ifstream(entry.path()));
-    for (const json& s : j["slices"]) {
-      copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
-          s["crc32"].get<uint64_t>());
-    }
-  }
-  size_t compared = 0;
-  for (const auto& [key, crcs] : copies) {
-    compared += crcs.size() > 1 ? 1 : 0;
-    for (uint64_t crc : crcs) {
-      EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
-    }
-  }
-  EXPECT_GT(compared, 0u) << "some slices keep both copies (those on ranks 3 and 4)";
+  EXPECT_GT(CopiesAlike(), 0u) << "some slices keep both copies (those on ranks 3 and 4)";
   const auto rounds = CheckAudit(0);
   EXPECT_EQ(rounds.size(), iters);
   for (const json& r : rounds) EXPECT_EQ(r["members"].size(), 3u) << r.dump();
@@ -688,13 +700,7 @@ TEST_F(MultiProcess, ANewServerTakesALostOnesPlaceAndTheJobOutlivesLosingItsNeig
                  {"DSYNC_DUMP_MODEL", (dir_ / "dump").string()},
                  {"DSYNC_AUDIT_LOG", (dir_ / "audit.jsonl").string()}});
     ASSERT_TRUE(job.workers[2]->WaitForOutput("joined", 20s)) << job.workers[2]->Output();
-    std::map<uint32_t, Proc*> by_id;
-    for (auto& s : job.servers) {
-      std::smatch m;
-      const std::string out = s->Output();
-      ASSERT_TRUE(std::regex_search(out, m, std::regex("server (\\d+) listening"))) << out;
-      by_id[static_cast<uint32_t>(std::stoul(m[1]))] = s.get();
-    }
+    std::map<uint32_t, Proc*> by_id = job.ServersById();
     ASSERT_EQ(by_id.size(), 3u);
     std::this_thread::sleep_for(500ms);
     by_id[2]->Signal(SIGKILL);
@@ -722,22 +728,7 @@ TEST_F(MultiProcess, ANewServerTakesALostOnesPlaceAndTheJobOutlivesLosingItsNeig
     EXPECT_NE(sched.find("server 3 disconnected"), std::string::npos) << sched;
     EXPECT_EQ(total, 3u * iters);
     ExpectModelCount(total, 2);
-    std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> copies;
-    for (const auto& entry : fs::directory_iterator(dir_ / "dump")) {
-      json j = json::parse(std::ifstream(entry.path()));
-      for (const json& s : j["slices"]) {
-        copies[{s["tensor"].get<uint32_t>(), s["slice"].get<uint32_t>()}].push_back(
-            s["crc32"].get<uint64_t>());
-      }
-    }
-    size_t compared = 0;
-    for (const auto& [key, crcs] : copies) {
-      compared += crcs.size() > 1 ? 1 : 0;
-      for (uint64_t crc : crcs) {
-        EXPECT_EQ(crc, crcs.front()) << "tensor " << key.first << " slice " << key.second;
-      }
-    }
-    EXPECT_GT(compared, 0u) << "the slices whose primary is rank 0 keep both copies";
+    EXPECT_GT(CopiesAlike(), 0u) << "the slices whose primary is rank 0 keep both copies";
     const auto rounds = CheckAudit(sync == "bsp" ? 0 : 2);
     if (sync == "bsp") {
       EXPECT_EQ(rounds.size(), iters);

@@ -138,6 +138,29 @@ std::map<std::pair<uint32_t, uint32_t>, std::vector<uint64_t>> Copies(const fs::
   return copies;
 }
 
+// A server started while the job runs (one taking a lost rank's place).
+Config NewServerConfig(LocalCluster& cluster) {
+  Config sc = cluster.WorkerConfig();
+  sc.role = Role::kServer;
+  sc.port = 0;
+  return sc;
+}
+
+// Servers that stopped early wrote their dumps then: keeps only those of the servers that
+// applied every round and returns how many there are.
+size_t KeepFinalDumps(const fs::path& dump) {
+  size_t files = 0;
+  for (const auto& e : fs::directory_iterator(dump)) {
+    json j = json::parse(std::ifstream(e.path()));
+    if (j["rounds"].get<uint64_t>() == kClocks) {
+      ++files;
+    } else {
+      fs::remove(e.path());
+    }
+  }
+  return files;
+}
+
 void ExpectCopiesEqual(const fs::path& dump, size_t copies_each) {
   const auto copies = Copies(dump);
   EXPECT_EQ(copies.size(), (kDim + 15) / 16);
@@ -184,16 +207,7 @@ TEST(Replicas, ABspJobThatLosesAServerEndsWithTheSameModelBitForBit) {
     EXPECT_EQ(failed_over.stats.rounds_closed, kClocks);
     // The surviving copies agree; the lost server wrote its dump when it stopped (at clock
     // 8), so only its copies may differ: checked by counting the survivors' files.
-    size_t files = 0;
-    for (const auto& e : fs::directory_iterator(lost)) {
-      json j = json::parse(std::ifstream(e.path()));
-      if (j["rounds"].get<uint64_t>() == kClocks) {
-        ++files;
-      } else {
-        fs::remove(e.path());
-      }
-    }
-    EXPECT_EQ(files, 2u);
+    EXPECT_EQ(KeepFinalDumps(lost), 2u);
     const auto copies = Copies(lost);
     for (const auto& [key, crcs] : copies) {
       for (uint64_t crc : crcs) EXPECT_EQ(crc, crcs.front()) << "slice " << key.second;
@@ -221,10 +235,7 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
         if (rank != 0) return;
         if (c == 5) cluster.server(1).Stop();  // rank 1
         if (c == 8) {
-          Config sc = cluster.WorkerConfig();
-          sc.role = Role::kServer;
-          sc.port = 0;
-          auto s = Server::Start(sc);
+          auto s = Server::Start(NewServerConfig(cluster));
           ASSERT_TRUE(s.ok()) << s.status().ToString();
           fresh = std::move(s).value();
           fresh_run = std::thread([&] { fresh_result = fresh->Run(); });
@@ -249,16 +260,7 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
   EXPECT_EQ(got.stats.rounds_closed, kClocks);
   // The lost servers wrote their dumps when they stopped: only the two that ran to the end
   // (rank 0 and the new rank 1) count, and they hold equal copies.
-  size_t files = 0;
-  for (const auto& e : fs::directory_iterator(dump)) {
-    json j = json::parse(std::ifstream(e.path()));
-    if (j["rounds"].get<uint64_t>() == kClocks) {
-      ++files;
-    } else {
-      fs::remove(e.path());
-    }
-  }
-  EXPECT_EQ(files, 2u);
+  EXPECT_EQ(KeepFinalDumps(dump), 2u);
   size_t both = 0;
   for (const auto& [key, crcs] : Copies(dump)) {
     both += crcs.size() == 2 ? 1 : 0;
@@ -279,17 +281,11 @@ TEST(Replicas, ANewServerIsRefusedWhileNoRankIsLostAndOneThatGoesEarlyCostsNothi
   ASSERT_TRUE(through.finished.ok()) << through.finished.ToString();
   std::unique_ptr<Server> fresh;
   std::thread fresh_run;
-  const auto server_config = [](LocalCluster& cluster) {
-    Config sc = cluster.WorkerConfig();
-    sc.role = Role::kServer;
-    sc.port = 0;
-    return sc;
-  };
   const JobResult got =
       RunJob(ReplicaJobConfig(3, 2, dump), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
         if (rank != 0) return;
         if (c == 2) {
-          auto refused = Server::Start(server_config(cluster));
+          auto refused = Server::Start(NewServerConfig(cluster));
           ASSERT_FALSE(refused.ok());
           EXPECT_NE(refused.status().message().find(
                         "all 3 servers of this job have registered already, and none of them "
@@ -299,12 +295,12 @@ TEST(Replicas, ANewServerIsRefusedWhileNoRankIsLostAndOneThatGoesEarlyCostsNothi
         }
         if (c == 4) cluster.server(1).Stop();
         if (c == 6) {
-          auto early = Server::Start(server_config(cluster));
+          auto early = Server::Start(NewServerConfig(cluster));
           ASSERT_TRUE(early.ok()) << early.status().ToString();
           // Gone at once: before, or while, the others copy it the rank's slices.
         }
         if (c == 12) {
-          auto s = Server::Start(server_config(cluster));
+          auto s = Server::Start(NewServerConfig(cluster));
           ASSERT_TRUE(s.ok()) << s.status().ToString();
           fresh = std::move(s).value();
           fresh_run = std::thread([&] { (void)fresh->Run(); });
