@@ -230,10 +230,30 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
   std::unique_ptr<Server> fresh;
   std::thread fresh_run;
   Status fresh_result = Error(StatusCode::kInternal, "never ran");
+  // An observer reads through it all: once the neighbour is lost too, only the new server
+  // holds some slices, which it must read from there.
+  std::unique_ptr<Worker> observer;
   const JobResult got =
       RunJob(ReplicaJobConfig(3, 2, dump), [&](uint32_t rank, Clock c, LocalCluster& cluster) {
         if (rank != 0) return;
-        if (c == 5) cluster.server(1).Stop();  // rank 1
+        if (c == 2) {
+          Config oc = cluster.WorkerConfig();
+          oc.observer = true;
+          auto o = Worker::Start(oc);
+          ASSERT_TRUE(o.ok()) << o.status().ToString();
+          observer = std::move(o).value();
+          std::vector<float> view(kDim, 0.0f);
+          ASSERT_TRUE(observer->Register("w", view).ok());
+        }
+        if (c == 20) {
+          std::vector<float> view(kDim, 0.0f);
+          Version version = 0;
+          Status st = observer->Wait(observer->Pull(0, view.data()), &version);
+          EXPECT_TRUE(st.ok()) << st.ToString();
+          EXPECT_GE(version, 17u);
+          EXPECT_TRUE(observer->Leave().ok());
+        }
+        if (c == 5) cluster.server(1).Stop();
         if (c == 8) {
           auto s = Server::Start(NewServerConfig(cluster));
           ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -247,7 +267,12 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
           }
           ASSERT_EQ(cluster.scheduler().stats().servers_restored, 1u);
-          cluster.server(2).Stop();  // rank 2: with rank 1, the copies of rank 1's primaries
+          // The rank after the lost one: with it, the copies of the lost rank's primaries.
+          const NodeId next =
+              kFirstServerId + (cluster.server(1).id() - kFirstServerId + 1) % 3;
+          for (size_t i = 0; i < 3; ++i) {
+            if (i != 1 && cluster.server(i).id() == next) cluster.server(i).Stop();
+          }
         }
       });
   ASSERT_TRUE(fresh_run.joinable());
@@ -259,7 +284,7 @@ TEST(Replicas, ANewServerTakesALostOnesPlaceAndTheJobEndsAsIfNothingWasLost) {
   EXPECT_EQ(got.stats.servers_restored, 1u);
   EXPECT_EQ(got.stats.rounds_closed, kClocks);
   // The lost servers wrote their dumps when they stopped: only the two that ran to the end
-  // (rank 0 and the new rank 1) count, and they hold equal copies.
+  // (the third one and the new one) count, and they hold equal copies.
   EXPECT_EQ(KeepFinalDumps(dump), 2u);
   size_t both = 0;
   for (const auto& [key, crcs] : Copies(dump)) {

@@ -26,6 +26,7 @@ class ClientRegistry {
     bool observer = false;   // read-only: pulls only
     Status verdict;          // OnHeader's judgement of the frame being read
     bool init_exists = false;
+    bool drop_quietly = false;  // the frame is dropped without an answer (OnHeader's call)
     bool doomed = false;     // refused and being dropped: its frames are ignored
   };
 

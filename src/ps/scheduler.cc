@@ -557,7 +557,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   bool ServersReady() const {
     return servers_.size() == cfg_.num_servers && !rejoin_deadline_ &&
            std::all_of(servers_.begin(), servers_.end(),
-                       [](const ServerEntry& s) { return s.ready; });
+                       // A rank lost, or being taken over, does not hold joiners back.
+                       [](const ServerEntry& s) { return s.ready || s.lost || s.taking_over; });
   }
 
   void AdmitWaiting() {
@@ -1084,7 +1085,13 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       Send(entry.peer, back,
            AsBytes(EncodeServerAddress({s.id, s.host, s.port, ServerProof(job_key_, s.id, w)})));
     }
+    // Observers connect too (they read from it once it holds its copies), and answer nothing.
+    for (const auto& [o, peer] : observers_) {
+      Send(peer, back,
+           AsBytes(EncodeServerAddress({s.id, s.host, s.port, ServerProof(job_key_, s.id, o)})));
+    }
     spdlog::info("scheduler: server {} is ready; {} worker(s) connect to it", s.id, live.size());
+    AdmitWaiting();
     Progress();  // with no worker, the copies can be taken at once
   }
 
@@ -1224,6 +1231,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     FrameHeader serves = MakeHeader(MsgType::kServerServes, kSchedulerId);
     serves.set_gone_server(id);
     for (const auto& [w, entry] : workers_) Send(entry.peer, serves);
+    for (const auto& [o, peer] : observers_) Send(peer, serves);
     Progress();
   }
 

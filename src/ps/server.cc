@@ -293,6 +293,7 @@ class ServerNode final : public Server, public TransportHandler {
     if (!ps || ps->doomed) return nullptr;
     ps->verdict = Status::Ok();
     ps->init_exists = false;
+    ps->drop_quietly = false;
     if (!ps->id) {
       if (h.msg_type() != MsgType::kHello) {
         ps->verdict = Error(StatusCode::kPermissionDenied, "the first frame must be a hello");
@@ -303,6 +304,16 @@ class ServerNode final : public Server, public TransportHandler {
       case MsgType::kPush: {
         SliceState* s = nullptr;
         ps->verdict = CheckPushFrom(*ps, h, &s);
+        if (ps->verdict.code() == StatusCode::kResourceExhausted && awaiting_copies_.load()) {
+          // Over even the quota of a server taking a rank over: its copies' version is too far
+          // off. The worker is honest; this server gives up instead of refusing it (the
+          // scheduler goes on without it, and the worker stops waiting for this push then).
+          ps->drop_quietly = true;
+          std::lock_guard lock(mu_);
+          FailTakeover(ps->verdict.WithContext("its staging quota ran out before its copies' "
+                                               "version was decided"));
+          return nullptr;
+        }
         if (!ps->verdict.ok()) return nullptr;
         void* buf = AcquireBuffer(h.payload_len);
         if (!buf) ps->verdict = Error(StatusCode::kUnavailable, "server out of memory");
@@ -347,7 +358,7 @@ class ServerNode final : public Server, public TransportHandler {
       return;
     }
     Client* ps = clients_.Find(peer);
-    if (!ps || ps->doomed) {
+    if (!ps || ps->doomed || ps->drop_quietly) {
       ReleaseBuffer(payload, h.payload_len);
       return;
     }
@@ -853,6 +864,21 @@ class ServerNode final : public Server, public TransportHandler {
         return;
       case MsgType::kServerGone: {
         std::lock_guard lock(mu_);
+        if (h.gone_server() == id_ && awaiting_copies_.load()) {
+          // Taking a rank over failed (the scheduler's log says why): a failure of this
+          // server, which the job does without.
+          if (result_.ok()) {
+            result_ = Error(StatusCode::kUnavailable,
+                            "the scheduler went on without this server before it held the "
+                            "copies of rank {} (its log says why); start a new server to try "
+                            "again",
+                            ServerRank(id_));
+            spdlog::error("server {}: {}", id_.load(), result_.message());
+          }
+          stop_ = true;
+          cv_.notify_all();
+          return;
+        }
         if (h.gone_server() == id_) {
           // Declared lost (it stopped answering for the heartbeat timeout): the job goes on
           // without this server, and its copies are stale from now on. It stops, and not as

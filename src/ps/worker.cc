@@ -269,6 +269,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       if (st.ok()) st = InitCopies(lock, id, model, options, /*primaries=*/false);
     }
     registering_ = false;
+    cv_.notify_all();  // a takeover waits for registrations to end (TakeoverLoop)
     if (!st.ok()) {
       planner_->Unplan(tensors_.back().layout);
       tensors_.pop_back();
@@ -457,7 +458,9 @@ class WorkerNode final : public Worker, public TransportHandler {
     // Only the copy this slice was asked of writes into the caller's tensor, once: a lost
     // server's late answer (the pull went to another copy meanwhile) is dropped. While its
     // payload is being written the slice is not asked again elsewhere (OnServerLost).
-    if (h.slice() >= ops_[op].asked.size() || ops_[op].asked[h.slice()] != RankOf(peer)) {
+    const uint32_t rank = RankOf(peer);
+    if (rank == kNoRank || h.slice() >= ops_[op].asked.size() ||
+        ops_[op].asked[h.slice()] != rank) {
       return nullptr;
     }
     ops_[op].asked[h.slice()] |= kIncoming;
@@ -475,7 +478,8 @@ class WorkerNode final : public Worker, public TransportHandler {
       // if it is already; else OnServerLost does it).
       ops_[op].asked[h.slice()] &= ~kIncoming;
       const uint32_t rank = RankOf(peer);
-      if (rank != kNoRank && server_lost_[rank] && !ops_[op].done && broken_.ok()) {
+      const bool gone = (rank != kNoRank && server_lost_[rank]) || retired_peers_.contains(peer);
+      if (gone && !ops_[op].done && broken_.ok()) {
         (void)SendPull(op, tensors_[ops_[op].tensor].layout.slices[h.slice()]);
       }
     }
@@ -485,7 +489,11 @@ class WorkerNode final : public Worker, public TransportHandler {
   void OnFrame(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta,
                void* payload) override {
     std::lock_guard lock(mu_);
-    if (retired_peers_.contains(peer)) return;  // a lost server's, replaced since
+    // A lost server's, replaced since; but for a pull reply whose payload was being written
+    // (below).
+    if (retired_peers_.contains(peer) && !(h.msg_type() == MsgType::kPullReply && payload)) {
+      return;
+    }
     // Frames a lost server sent before its loss was heard of here are dropped, but for a pull
     // reply whose payload was already being written (it is whole, and of a version the job
     // applied: it is taken).
@@ -593,7 +601,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       return;
     }
     const std::string who = peer == scheduler_ ? std::string("the scheduler")
-                                               : fmt::format("server {}", server_ids_[peer]);
+                                               : PeerName(peer);
     if (away_ && peer != scheduler_ && RankOf(peer) == kNoRank) {
       return;  // a rejoin's connection, closed before its attempt named it: its send fails
     }
@@ -699,8 +707,11 @@ class WorkerNode final : public Worker, public TransportHandler {
   // Sends the hello and waits for the answer. The scheduler may hold a worker until every
   // server and the job's first workers are up, but it says so every heartbeat interval
   // (kPending); a peer silent for the connect timeout is not a dsyncps node that works.
-  Result<std::string> Handshake(PeerId peer, const Hello& hello, const std::string& who) {
+  // `stoppable`: a stop or leave ends the wait (a takeover's, which runs beside training).
+  Result<std::string> Handshake(PeerId peer, const Hello& hello, const std::string& who,
+                                bool stoppable = false) {
     std::unique_lock lock(mu_);
+    const auto stopped = [&] { return stoppable && (stop_ || leaving_); };
     handshake_done_ = false;
     handshake_reply_.clear();
     handshake_peer_ = peer;
@@ -709,7 +720,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     DSYNC_RETURN_IF_ERROR(transport_->Send(peer, MakeHeader(MsgType::kHello, hello.node),
                                            AsBytes(EncodeHello(hello)), nullptr, 0));
     const auto silence = std::chrono::milliseconds(cfg_.connect_timeout_ms);
-    while (!handshake_done_ && broken_.ok()) {
+    while (!handshake_done_ && broken_.ok() && !stopped()) {
       if (cv_.wait_until(lock, handshake_heard_ + silence) == std::cv_status::timeout &&
           SteadyClock::now() >= handshake_heard_ + silence && !handshake_done_) {
         return Error(StatusCode::kDeadlineExceeded,
@@ -719,6 +730,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       }
     }
     if (!broken_.ok()) return broken_.WithContext(fmt::format("joining via {}", who));
+    if (stopped()) return Error(StatusCode::kAborted, "this node is stopping");
     if (!handshake_error_.ok()) return handshake_error_.WithContext(who);
     return handshake_reply_;
   }
@@ -968,6 +980,14 @@ class WorkerNode final : public Worker, public TransportHandler {
     return true;
   }
 
+  // A server's peer for messages: its id, or what it is while a takeover connects to it.
+  std::string PeerName(PeerId peer) const {
+    auto it = server_ids_.find(peer);
+    if (it != server_ids_.end()) return fmt::format("server {}", it->second);
+    if (peer == handshake_peer_) return "the new server of a lost rank";
+    return fmt::format("the replaced server at {}", transport_->PeerAddress(peer));
+  }
+
   uint32_t RankOf(PeerId peer) const {
     auto it = server_ids_.find(peer);
     return it == server_ids_.end() ? kNoRank : ServerRank(it->second);
@@ -1059,7 +1079,7 @@ class WorkerNode final : public Worker, public TransportHandler {
   }
 
   void OnServerBack(const FrameHeader& h, std::span<const std::byte> meta) {
-    if (job_.observer || stop_ || leaving_) return;
+    if (stop_ || leaving_) return;
     Result<ServerAddress> address = DecodeServerAddress(meta);
     if (!address.ok() || address->id != h.gone_server()) {
       Break(Error(StatusCode::kProtocol, "the scheduler's news of a new server is unreadable{}",
@@ -1096,8 +1116,10 @@ class WorkerNode final : public Worker, public TransportHandler {
         hello.role = Role::kWorker;
         hello.token = cfg_.token;
         hello.node = job_.worker_id;
+        hello.observer = job_.observer;
         hello.credential = credential_;
-        Result<std::string> proof = Handshake(*peer, hello, fmt::format("server {}", a.id));
+        Result<std::string> proof =
+            Handshake(*peer, hello, fmt::format("server {}", a.id), /*stoppable=*/true);
         st = proof.status();
         if (st.ok() && (proof->size() != a.proof.size() ||
                         std::memcmp(proof->data(), a.proof.data(), a.proof.size()) != 0)) {
@@ -1115,8 +1137,10 @@ class WorkerNode final : public Worker, public TransportHandler {
       if (!st.ok() || void_now) {
         if (peer.ok()) transport_->Close(*peer);
         if (!void_now) {
-          spdlog::warn("worker {}: cannot reach server {}, which takes a lost rank's place: {}",
-                       job_.worker_id, a.id, st.message());
+          spdlog::warn("{} {}: cannot reach server {}, which takes a lost rank's place: {}",
+                       job_.observer ? "observer" : "worker", job_.worker_id, a.id, st.message());
+        }
+        if (!void_now && !job_.observer) {
           FrameHeader ack = MakeHeader(MsgType::kServerBackAck, job_.worker_id);
           ack.set_backs(news.backs);
           ack.status = static_cast<uint16_t>(st.code());
@@ -1135,6 +1159,11 @@ class WorkerNode final : public Worker, public TransportHandler {
       // The clock in progress keeps the copies it started with; the next ones go there too.
       const Clock from = !clocks_.empty() && clocks_.back().clock == clock_ ? clock_ + 1 : clock_;
       push_from_[rank] = from;
+      if (job_.observer) {  // reads only: it pulls from it once it holds its copies
+        spdlog::info("observer {}: server {} took the place of the lost server of rank {}",
+                     job_.worker_id, a.id, rank);
+        continue;
+      }
       SendLayouts(rank);
       FrameHeader ack = MakeHeader(MsgType::kServerBackAck, job_.worker_id);
       ack.set_backs(news.backs);
@@ -1339,7 +1368,7 @@ class WorkerNode final : public Worker, public TransportHandler {
     const MsgType about = h.refused();
     spdlog::warn("worker {}: {} refused by {}: {}", job_.worker_id, MsgTypeName(about),
                  peer == scheduler_ ? std::string("the scheduler")
-                                    : fmt::format("server {}", server_ids_[peer]),
+                                    : PeerName(peer),
                  st.ToString());
     if (about == MsgType::kHello && peer != scheduler_ && peer == handshake_peer_ &&
         servers_connected_) {
