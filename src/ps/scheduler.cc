@@ -520,9 +520,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     w.credential = ClientCredential(job_key_, id, observer);
     w.servers_lost = server_events_.losses();
     w.servers_back = server_events_.takeovers();
-    for (const ServerEntry& s : servers_) {
-      if (s.taking_over && !s.lost) w.servers_filling.push_back(s.id);
-    }
+    if (const ServerEntry* filling = Filling()) w.servers_filling.push_back(filling->id);
     for (const ServerEntry& s : servers_) {
       w.servers.push_back({s.id, s.host, s.port, ServerProof(job_key_, s.id, id)});
     }
@@ -702,14 +700,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       // The receipts of the servers lost before the worker committed are left out: it heard
       // of those losses (in order) and gave up what they owed it. A rank a new server took
       // over counts again for the clocks the worker pushed to that server.
-      const std::vector<bool>* left_out = &left_out_[h.losses()];
-      if (!server_events_.takeovers().empty()) {
-        server_events_.LeftOut(h.losses(), id, h.clock(), left_out_scratch_);
-        left_out = &left_out_scratch_;
-      }
+      server_events_.LeftOut(h.losses(), id, h.clock(), left_out_scratch_);
       proved = VerifyCommit(job_key_,
                             Holders(static_cast<uint32_t>(servers_.size()), cfg_.replicas,
-                                    left_out),
+                                    &left_out_scratch_),
                             id, h.clock(), empty, proof);
     }
     if (!proved.ok()) {
@@ -953,9 +947,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     DropServer(s, what);
-    std::vector<bool> lost = left_out_.back();
-    lost[rank] = true;
-    RecordLoss(s, std::move(lost));
+    RecordLoss(s);
     if (journal_.open()) journal_.Add({{"k", "lost"}, {"id", id}});
     FrameHeader gone = MakeHeader(MsgType::kServerGone, kSchedulerId);
     gone.set_gone_server(id);
@@ -987,18 +979,24 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // every slice it held (they apply the same rounds).
     if (checkpoints_.Lost(rank)) StopIfCheckpointSettled();
     if (taking_over) takeover_.reset();
-    for (const ServerEntry& o : servers_) {
-      if (!taking_over && o.taking_over && !o.lost) {
-        // The copies the new server waits for may have been the lost one's to send: it
-        // starts again once a new server comes.
-        LoseServer(o.id, fmt::format("had not got every copy when server {} was lost", id));
-        return;
-      }
+    if (const ServerEntry* filling = Filling(); filling && !taking_over) {
+      // The copies the new server waits for may have been the lost one's to send: it
+      // starts again once a new server comes.
+      LoseServer(filling->id, fmt::format("had not got every copy when server {} was lost", id));
+      return;
     }
     Progress();
   }
 
   // --- a new server taking a lost rank's place (docs/design.md, "Recreating lost copies") --
+
+  // The server taking a lost rank over now, if any (one at a time: TakeOver).
+  const ServerEntry* Filling() const {
+    for (const ServerEntry& s : servers_) {
+      if (s.taking_over) return &s;
+    }
+    return nullptr;
+  }
 
   // A server registering once every rank has: with copies, it takes the lowest lost rank's
   // place. It is sent every round from now on; its slices come as copies from the others.
@@ -1019,8 +1017,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                     "; a new server cannot take a lost one's place in a job whose scheduler "
                     "journals (--journal) yet");
     }
-    if (std::any_of(servers_.begin(), servers_.end(),
-                    [](const ServerEntry& s) { return s.taking_over; })) {
+    if (Filling()) {
       return refuse(StatusCode::kUnavailable,
                     "; another new server is taking a lost rank over now: start this one again "
                     "once it holds its copies");
@@ -1040,7 +1037,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     s.taking_over = true;
     doomed_.erase(peer);
     peers_[peer] = {PeerKind::kServer, s.id};
-    takeover_deadline_ = SteadyClock::now() + std::chrono::seconds(kTakeoverSeconds);
+    takeover_started_ = SteadyClock::now();
     Welcome w = JobWelcome(s.id);
     w.job_key = job_key_;
     w.checkpoints = checkpoints_.enabled();
@@ -1220,7 +1217,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     s.taking_over = false;
     const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
-        SteadyClock::now() - (takeover_deadline_ - std::chrono::seconds(kTakeoverSeconds)));
+        SteadyClock::now() - takeover_started_);
     spdlog::info("scheduler: server {} holds the copies of rank {} again (version {}, {} ms "
                  "after it registered); every slice has its {} copies where live servers allow",
                  id, ServerRank(id), at, took.count(), cfg_.replicas);
@@ -1235,12 +1232,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     Progress();
   }
 
-  // Server `s` is the next lost one; `lost`: by rank, every server lost now (left_out_).
-  void RecordLoss(ServerEntry& s, std::vector<bool> lost) {
+  // Server `s` is the next lost one.
+  void RecordLoss(ServerEntry& s) {
     s.lost = true;
     s.taking_over = false;
     server_events_.Lost(s.id);
-    left_out_.push_back(std::move(lost));
     ++counters_.servers_lost;
   }
 
@@ -1851,9 +1847,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     if (kind == "lost") {
       DSYNC_ASSIGN_OR_RETURN(ServerEntry * s, JournaledServer(r.at("id").get<NodeId>()));
-      std::vector<bool> lost = left_out_.back();
-      lost[ServerRank(s->id)] = true;
-      RecordLoss(*s, std::move(lost));
+      RecordLoss(*s);
       return Status::Ok();
     }
     if (kind == "lr") {
@@ -1915,7 +1909,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       policy_.emplace(o);
       payoff_.emplace(DelayPayoffOptions{});
     }
-    left_out_ = {std::vector<bool>(cfg_.num_servers, false)};
+    server_events_ = ServerEvents(cfg_.num_servers);  // the journal's server count
     const Round start = r.at("start_version").get<Round>();
     if (start > 0) DSYNC_RETURN_IF_ERROR(rule_.StartAt(start, r.at("start_clock").get<Clock>()));
     rounds_announced_ = start;
@@ -2207,12 +2201,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           LoseServer(id, fmt::format("stopped answering (no heartbeat for {} ms)",
                                      cfg_.heartbeat_timeout_ms));
         }
-        for (const ServerEntry& s : servers_) {
-          if (s.taking_over && !s.lost && now > takeover_deadline_ && !finished_ && !stop_) {
-            LoseServer(s.id, fmt::format("did not get the copies of its rank within {} s",
-                                         kTakeoverSeconds));
-            break;
-          }
+        const ServerEntry* filling = Filling();
+        if (filling && now - takeover_started_ > std::chrono::seconds(kTakeoverSeconds) &&
+            !finished_ && !stop_) {
+          LoseServer(filling->id, fmt::format("did not get the copies of its rank within {} s",
+                                              kTakeoverSeconds));
         }
         const auto quiet = std::chrono::milliseconds(cfg_.start_timeout_ms);
         if (cfg_.start_timeout_ms > 0 && !started_ && !finished_ && now - last_arrival_ > quiet) {
@@ -2272,13 +2265,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::vector<ServerEntry> servers_;  // by rank
   // The servers lost and the ranks a new server took over, in order (a commit's receipts).
   ServerEvents server_events_{cfg_.num_servers};
-  // left_out_[n]: by rank, the servers among the first n lost (a commit's losses()), while
-  // no rank was taken over; then ServerEvents::LeftOut, into left_out_scratch_.
-  std::vector<std::vector<bool>> left_out_{std::vector<bool>(cfg_.num_servers, false)};
+  // By rank, the servers a commit leaves out (ServerEvents::LeftOut), reused by every commit.
   std::vector<bool> left_out_scratch_;
   // A new server taking a lost rank's place, from its welcome until it holds the copies.
   std::optional<Takeover> takeover_;
-  SteadyClock::time_point takeover_deadline_;
+  SteadyClock::time_point takeover_started_;  // the new server's registration
   std::map<WorkerId, WorkerEntry> workers_;
   std::vector<std::pair<WorkerId, PeerId>> waiting_;
   std::map<WorkerId, uint64_t> waiting_requests_;
