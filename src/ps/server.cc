@@ -492,6 +492,14 @@ class ServerNode final : public Server, public TransportHandler {
     return std::max<uint64_t>(1, job_.slice_bytes / sizeof(float));
   }
 
+  // The elements a kInit creates: its values', or a layout init's (none sent) the slice's.
+  uint64_t InitElements(const FrameHeader& h, const InitMeta& im) const {
+    if (!(h.flags & kFlagLayout)) return h.payload_len / sizeof(float);
+    return im.slice_offset < im.tensor_elements
+               ? std::min(SliceElements(), im.tensor_elements - im.slice_offset)
+               : 0;
+  }
+
   // `observer`: an observer that names no optimizer reads the tensor whatever it runs.
   Status CheckInit(const FrameHeader& h, std::span<const std::byte> meta, bool observer,
                    bool* exists) {
@@ -511,10 +519,7 @@ class ServerNode final : public Server, public TransportHandler {
                    "lost one's place, from a worker, before its copies are in",
                    im.name, h.slice());
     }
-    const uint64_t bytes =
-        layout && im.slice_offset < im.tensor_elements
-            ? std::min(per, im.tensor_elements - im.slice_offset) * sizeof(float)
-            : h.payload_len;
+    const uint64_t bytes = layout ? InitElements(h, im) * sizeof(float) : h.payload_len;
     if (bytes == 0 || bytes % sizeof(float) != 0 ||
         im.slice_offset + bytes / sizeof(float) > im.tensor_elements ||
         im.slice_offset != uint64_t{h.slice()} * per ||
@@ -588,8 +593,7 @@ class ServerNode final : public Server, public TransportHandler {
     if (!exists) {
       const uint64_t per = SliceElements();
       const bool layout = (h.flags & kFlagLayout) != 0;
-      const uint64_t n = layout ? std::min(per, im.tensor_elements - im.slice_offset)
-                                : h.payload_len / sizeof(float);
+      const uint64_t n = InitElements(h, im);
       std::unique_lock lock(slices_mu_);
       const SliceKey key = MakeSliceKey(h.tensor(), h.slice());
       // Checked again under the lock that ends the wait for copies (FinishCopies).
@@ -1211,6 +1215,13 @@ class ServerNode final : public Server, public TransportHandler {
     const uint32_t n = job_.num_servers;
     const uint32_t me = ServerRank(id_);
     const uint32_t target = ServerRank(for_id);
+    const auto header = [&](bool last) {
+      FrameHeader h = MakeHeader(MsgType::kCopy, id_);
+      h.set_round(version);
+      h.set_backs(takeover);
+      if (last) h.flags |= kFlagLast;
+      return h;
+    };
     const auto send = [&](ServerCheckpoint& chunk, bool last) -> Status {
       auto bytes = std::make_unique<std::vector<std::byte>>(SerializeServerCheckpoint(chunk));
       chunk.slices.clear();
@@ -1219,13 +1230,9 @@ class ServerNode final : public Server, public TransportHandler {
                                               "carries ({} bytes); lower --slice-bytes",
                      bytes->size(), kMaxPayloadBytes);
       }
-      FrameHeader h = MakeHeader(MsgType::kCopy, id_);
-      h.set_round(version);
-      h.set_backs(takeover);
-      if (last) h.flags |= kFlagLast;
       std::vector<std::byte>* raw = bytes.get();
-      DSYNC_RETURN_IF_ERROR(transport_->Send(scheduler_, h, {}, raw->data(), raw->size(),
-                                             [raw](const Status&) { delete raw; }));
+      DSYNC_RETURN_IF_ERROR(transport_->Send(scheduler_, header(last), {}, raw->data(),
+                                             raw->size(), [raw](const Status&) { delete raw; }));
       (void)bytes.release();
       return Status::Ok();
     };
@@ -1264,10 +1271,7 @@ class ServerNode final : public Server, public TransportHandler {
     if (!st.ok()) {
       spdlog::error("server {}: cannot send the copies server {} needs: {}", id_.load(), for_id,
                     st.message());
-      FrameHeader h = MakeHeader(MsgType::kCopy, id_);
-      h.set_round(version);
-      h.set_backs(takeover);
-      h.flags |= kFlagLast;
+      FrameHeader h = header(/*last=*/true);
       h.status = static_cast<uint16_t>(st.code());
       (void)transport_->Send(scheduler_, h, AsBytes(st.message()), nullptr, 0);
       return;
