@@ -242,7 +242,7 @@ int Main(int argc, char** argv) {
           row.exec = Capture(stream, [&] {
             for (uint64_t i = 0; i < slices; ++i) {
               Check(cuda::LaunchApplyRound(u, w + off + i * n, s0 + off + i * n, s1 + off + i * n,
-                                           grads + off + i * k * n, nullptr, k, stride, n,
+                                           grads + off + i * k * n, nullptr, {}, k, stride, n,
                                            sc, stream),
                     "launching the update kernel");
             }

@@ -15,6 +15,8 @@
 #include "cluster_harness.h"
 #include "ps/checkpoint.h"
 
+#include <zlib.h>
+
 namespace dsync {
 namespace {
 
@@ -58,6 +60,12 @@ ps::ServerCheckpoint SampleCheckpoint() {
     for (size_t i = 0; i < n; ++i) s.snapshot.params.push_back(0.25f * static_cast<float>(i) - 1);
     s.snapshot.state.assign(t == 0 ? 2 : 1, std::vector<float>(n, 0.5f + static_cast<float>(t)));
     s.snapshot.steps = 7 + t;
+    if (t == 0) {  // delay compensation's kept versions
+      for (uint64_t round : {39u, 41u}) {
+        s.snapshot.kept.push_back({round, std::vector<float>(n, static_cast<float>(round))});
+      }
+      s.snapshot.mean_square.assign(n, 0.125f);
+    }
     c.slices.push_back(std::move(s));
   }
   return c;
@@ -85,8 +93,67 @@ TEST(CheckpointFile, RoundTripsEverySliceWithItsStateAndMetadata) {
     EXPECT_EQ(back->slices[i].snapshot.params, c.slices[i].snapshot.params);
     EXPECT_EQ(back->slices[i].snapshot.state, c.slices[i].snapshot.state);
     EXPECT_EQ(back->slices[i].snapshot.steps, c.slices[i].snapshot.steps);
+    ASSERT_EQ(back->slices[i].snapshot.kept.size(), c.slices[i].snapshot.kept.size());
+    for (size_t k = 0; k < c.slices[i].snapshot.kept.size(); ++k) {
+      EXPECT_EQ(back->slices[i].snapshot.kept[k].round, c.slices[i].snapshot.kept[k].round);
+      EXPECT_EQ(back->slices[i].snapshot.kept[k].params, c.slices[i].snapshot.kept[k].params);
+    }
+    EXPECT_EQ(back->slices[i].snapshot.mean_square, c.slices[i].snapshot.mean_square);
   }
+  // The bytes a takeover sends parse back the same.
+  const std::vector<std::byte> bytes = ps::SerializeServerCheckpoint(c);
+  EXPECT_EQ(bytes.size(), f->bytes);
+  auto parsed = ps::ParseServerCheckpoint(bytes, "copies", std::nullopt);
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->slices[0].snapshot.kept.size(), 2u);
+  EXPECT_EQ(parsed->slices[0].snapshot.kept[1].round, 41u);
+  EXPECT_EQ(parsed->slices[0].snapshot.mean_square.size(), 16u);
+  EXPECT_TRUE(parsed->slices[1].snapshot.mean_square.empty());
   fs::remove_all(dir);
+}
+
+// A file of the format before kept versions ("DSCKPT02", written here byte by byte as that
+// format lays it out) still loads, keeping nothing.
+TEST(CheckpointFile, TheFormatBeforeKeptVersionsStillLoads) {
+  ps::ServerCheckpoint c = SampleCheckpoint();
+  std::vector<std::byte> out;
+  const auto put = [&](const auto& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    out.insert(out.end(), p, p + sizeof(v));
+  };
+  for (char ch : std::string("DSCKPT02")) put(ch);
+  put(c.rank);
+  put(c.num_servers);
+  put(c.version);
+  put(c.slice_bytes);
+  put(static_cast<uint32_t>(c.slices.size()));
+  for (const ps::CheckpointSlice& sl : c.slices) {
+    std::vector<std::byte> meta;
+    ps::EncodeInit(sl.meta, meta);
+    put(sl.tensor);
+    put(sl.slice);
+    put(sl.replica);
+    put(static_cast<uint64_t>(sl.snapshot.params.size()));
+    put(sl.snapshot.steps);
+    put(static_cast<uint32_t>(sl.snapshot.state.size()));
+    put(static_cast<uint32_t>(meta.size()));
+    out.insert(out.end(), meta.begin(), meta.end());
+    for (float x : sl.snapshot.params) put(x);
+    for (const auto& st : sl.snapshot.state) {
+      for (float x : st) put(x);
+    }  // the sample's kept versions and mean square have no place in this format
+  }
+  put(static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(out.data()),
+                                  static_cast<uInt>(out.size()))));
+  auto back = ps::ParseServerCheckpoint(out, "a DSCKPT02 file", std::nullopt);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->slices.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(back->slices[i].snapshot.params, c.slices[i].snapshot.params);
+    EXPECT_EQ(back->slices[i].snapshot.state, c.slices[i].snapshot.state);
+    EXPECT_TRUE(back->slices[i].snapshot.kept.empty());
+    EXPECT_TRUE(back->slices[i].snapshot.mean_square.empty());
+  }
 }
 
 TEST(CheckpointFile, CorruptTornOrForeignFilesAreRefusedNamingTheFile) {

@@ -75,6 +75,47 @@ TEST(StalenessPolicy, ParsesRoundTripsAndWeighs) {
   EXPECT_EQ(StalenessPolicy::Parse("exp:1").value().Weight(1000), 1.0f);
 }
 
+TEST(StalenessPolicy, DelayCompensationParsesAloneOrAfterAWeightAndKeepsWhatTheModeNeeds) {
+  for (const char* text : {"dc:0.5", "dc:2,8", "inverse+dc:0.04", "exp:0.5+dc:1,3", "dca:2",
+                           "inverse+dca:0.5,3"}) {
+    EXPECT_EQ(StalenessPolicy::Parse(text).value().ToString(), text);
+  }
+  EXPECT_FALSE(StalenessPolicy::Parse("dc:1").value().adaptive);
+  EXPECT_TRUE(StalenessPolicy::Parse("dca:1").value().adaptive);
+  EXPECT_TRUE(StalenessPolicy::Parse("exp:0.5+dca:1,2").value().adaptive);
+  const StalenessPolicy dc = StalenessPolicy::Parse("dc:0.5").value();
+  EXPECT_EQ(dc.kind, StalenessKind::kNone);
+  EXPECT_EQ(dc.compensation, 0.5f);
+  EXPECT_EQ(dc.Weight(3), 1.0f);  // compensation alone weighs nothing
+  const StalenessPolicy both = StalenessPolicy::Parse("inverse+dc:2,8").value();
+  EXPECT_EQ(both.kind, StalenessKind::kInverse);
+  EXPECT_EQ(both.Weight(1), 0.5f);
+  EXPECT_EQ(both.compensation, 2.0f);
+  EXPECT_EQ(both.depth, 8u);
+  // What the servers keep: a round mode's bound (capped by D), none in bsp, D or the default
+  // where nothing bounds the staleness in rounds.
+  EXPECT_EQ(dc.CompensationDepth(SyncMode::Bsp()), 0u);
+  EXPECT_EQ(dc.CompensationDepth(SyncMode::Dsync(3, 2)), 3u);
+  EXPECT_EQ(dc.CompensationDepth(SyncMode::Auto()), SyncMode::kDefaultAutoMax);
+  EXPECT_EQ(both.CompensationDepth(SyncMode::Dsync(20)), 8u);
+  EXPECT_EQ(both.CompensationDepth(SyncMode::Dsync(2)), 2u);
+  EXPECT_EQ(dc.CompensationDepth(SyncMode::Dsync(1000)), StalenessPolicy::kMaxCompensationDepth);
+  EXPECT_EQ(dc.CompensationDepth(SyncMode::Asp()), StalenessPolicy::kDefaultCompensationDepth);
+  EXPECT_EQ(both.CompensationDepth(SyncMode::Ssp(2)), 8u);
+  EXPECT_EQ(StalenessPolicy::Parse("inverse").value().CompensationDepth(SyncMode::Asp()), 0u);
+  for (const char* text : {"dc", "dc:", "dc:0", "dc:-1", "dc:inf", "dc:nan", "dc:1,0", "dc:1,65",
+                           "dc:1,x", "dc:0.5+inverse", "none+dc:1", "inverse+exp:0.5",
+                           "inverse+dc:0", "dc:1+dc:1", "dca", "dca:0", "dcb:1", "dca:1,"}) {
+    auto r = StalenessPolicy::Parse(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
+  }
+  EXPECT_NE(StalenessPolicy::Parse("dc:1,65").status().message().find("must be 1 to 64"),
+            std::string::npos);
+  EXPECT_NE(StalenessPolicy::Parse("dc:0").status().message().find("above 0"), std::string::npos);
+}
+
 TEST(StalenessPolicy, RefusesWhatIsNotAPolicyWithTheAcceptedForms) {
   for (const char* text : {"", "exp", "exp:", "exp:0", "exp:-0.5", "exp:1.5", "exp:nan",
                            "exp:x", "inverse:2", "linear"}) {

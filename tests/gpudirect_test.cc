@@ -95,9 +95,11 @@ class FakeGpuStore final : public ps::ParamStore {
   }
   bool HasSlice(ps::SliceKey k) const override { return cpu_->HasSlice(k); }
   uint64_t SliceElements(ps::SliceKey k) const override { return cpu_->SliceElements(k); }
+  using ps::ParamStore::ApplyRound;
   Status ApplyRound(ps::SliceKey k, std::span<const float* const> grads,
-                    std::span<const float> weights, const OptimizerConfig& opt) override {
-    return cpu_->ApplyRound(k, grads, weights, opt);
+                    std::span<const float> weights, const ps::Compensation& comp,
+                    const OptimizerConfig& opt) override {
+    return cpu_->ApplyRound(k, grads, weights, comp, opt);
   }
   Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
   Status Snapshot(ps::SliceKey k, ps::SliceSnapshot& out) const override {

@@ -403,6 +403,8 @@ TEST(Replicas, CheckpointsHoldEveryCopyAndResumeBitForBit) {
     EXPECT_EQ(list[0]->snapshot.params, list[1]->snapshot.params);
     EXPECT_EQ(list[0]->snapshot.state, list[1]->snapshot.state) << "Adam's m and v too";
     EXPECT_EQ(list[0]->snapshot.steps, list[1]->snapshot.steps);
+    EXPECT_EQ(list[0]->snapshot.kept, list[1]->snapshot.kept);
+    EXPECT_EQ(list[0]->snapshot.mean_square, list[1]->snapshot.mean_square);
   }
 
   auto refused = InProcessCluster::Start(Resuming(ReplicaJobConfig(3, 1, dump), dir));

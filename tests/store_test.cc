@@ -721,6 +721,300 @@ TEST_P(StoreTest, BadSnapshotsAreRefusedSayingWhatIsWrong) {
   EXPECT_TRUE(SameFloats(before, after));
 }
 
+// --- delay compensation -------------------------------------------------------------------
+
+// A schedule of rounds for a compensated slice: the round's number, each gradient's base
+// (-1: no gradients at all, the round changes nothing and keeps nothing).
+struct CompensatedRound {
+  uint64_t round;
+  std::vector<int64_t> bases;
+};
+
+// Rounds 0..9 with fresh and stale gradients, staler than the depth of 2 kept versions at
+// times, and rounds 3 and 6 without gradients.
+const std::vector<CompensatedRound>& CompensatedSchedule() {
+  static const std::vector<CompensatedRound> rounds = {
+      {0, {0, 0}},    {1, {0, 1}},    {2, {1, 2, 0}}, {3, {}},      {4, {2, 4}},
+      {5, {3, 5, 4}}, {6, {}},        {7, {5}},       {8, {1, 8}},  {9, {9, 7, 6}}};
+  return rounds;
+}
+
+std::vector<std::vector<float>> GradientsOf(const CompensatedRound& r, size_t n) {
+  std::vector<std::vector<float>> grads;
+  for (size_t k = 0; k < r.bases.size(); ++k) {
+    grads.push_back(Random(n, static_cast<uint32_t>(900 + 10 * r.round + k)));
+  }
+  return grads;
+}
+
+Status ApplyCompensated(ParamStore& store, SliceKey key, size_t n, const OptimizerConfig& opt,
+                        const CompensatedRound& r, float lambda, uint32_t depth,
+                        std::span<const float> weights = {}, bool adaptive = false) {
+  const std::vector<std::vector<float>> grads = GradientsOf(r, n);
+  std::vector<const float*> ptrs;
+  std::vector<uint64_t> bases;
+  for (size_t k = 0; k < grads.size(); ++k) {
+    ptrs.push_back(grads[k].data());
+    bases.push_back(static_cast<uint64_t>(r.bases[k]));
+  }
+  Compensation comp{lambda, depth, r.round, bases, adaptive};
+  return store.ApplyRound(key, ptrs, weights.first(std::min(weights.size(), ptrs.size())), comp, opt);
+}
+
+// The same in double, written from DC-ASGD's formula and the rule the stores document: the
+// slice keeps its parameters from before each of the last `depth` rounds that changed it, and
+// a gradient of base b is corrected toward those before the first kept round >= b.
+// Adaptive (DC-ASGD-a): each gradient first enters a running mean of g * g per element
+// (decay 0.95), by whose square root L is divided.
+struct CompensatedReference {
+  Reference opt;
+  std::vector<std::pair<uint64_t, std::vector<double>>> kept;  // oldest first
+  std::vector<double> mean_square;
+  uint64_t corrected = 0;
+  void Step(const OptimizerConfig& o, const CompensatedRound& r, size_t n, double lambda,
+            size_t depth, const std::vector<float>& weights = {}, bool adaptive = false) {
+    if (r.bases.empty()) return;
+    std::vector<std::vector<float>> grads = GradientsOf(r, n);
+    mean_square.resize(n);
+    for (size_t k = 0; k < grads.size(); ++k) {
+      const std::vector<double>* base = nullptr;
+      for (const auto& [round, w] : kept) {
+        if (round >= static_cast<uint64_t>(r.bases[k])) {
+          base = &w;
+          break;
+        }
+      }
+      corrected += base != nullptr ? 1 : 0;
+      for (size_t i = 0; i < n; ++i) {
+        const double g = grads[k][i];
+        double l = lambda;
+        if (adaptive) {
+          mean_square[i] = 0.95 * mean_square[i] + 0.05 * g * g;
+          l = lambda / std::sqrt(mean_square[i]);
+        }
+        if (base != nullptr) grads[k][i] = static_cast<float>(g + l * g * g * (opt.w[i] - (*base)[i]));
+      }
+    }
+    kept.emplace_back(r.round, opt.w);
+    if (kept.size() > depth) kept.erase(kept.begin());
+    opt.Step(o, grads, weights.empty() ? weights
+                                       : std::vector<float>(weights.begin(),
+                                                            weights.begin() + grads.size()));
+  }
+};
+
+// Each stale gradient is corrected toward the version it was computed on (or the oldest kept),
+// before it is weighed, for every optimizer; fresh ones are not corrected.
+TEST_P(StoreTest, DelayCompensationCorrectsStaleGradientsTowardTheKeptVersions) {
+  constexpr size_t n = 4099;
+  constexpr uint32_t kDepth = 2;
+  for (const bool adaptive : {false, true}) {
+  // The adaptive form's L is divided by |g|: of the order of the constant form's L * |g|.
+  const float kLambda = adaptive ? 0.2f : 0.25f;
+  for (const bool weighed : {false, true}) {
+    for (OptimizerKind kind : {OptimizerKind::kSum, OptimizerKind::kSgd, OptimizerKind::kMomentum,
+                               OptimizerKind::kAdam, OptimizerKind::kAdamW}) {
+      SCOPED_TRACE(fmt::format("{}{}{}", OptimizerName(kind), weighed ? ", weighed" : "",
+                               adaptive ? ", adaptive" : ""));
+      const uint32_t variant = (weighed ? 1 : 0) + (adaptive ? 10 : 0);
+      const SliceKey key = MakeSliceKey(90 + variant, static_cast<uint32_t>(kind));
+      const std::vector<float> init = Random(n, 40);
+      ASSERT_TRUE(store_->InitSlice(key, init).ok());
+      CompensatedReference ref;
+      ref.opt = Reference{{init.begin(), init.end()}, std::vector<double>(n), std::vector<double>(n)};
+      const OptimizerConfig opt = Optimizer(kind);
+      const std::vector<float> weights = weighed ? std::vector<float>{1.0f, 0.5f, 0.25f}
+                                                 : std::vector<float>{};
+      for (const CompensatedRound& r : CompensatedSchedule()) {
+        const Status st =
+            ApplyCompensated(*store_, key, n, opt, r, kLambda, kDepth, weights, adaptive);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ref.Step(opt, r, n, kLambda, kDepth, weights, adaptive);
+      }
+      // 10 stale gradients; base 1 in round 8 reaches past the 2 kept versions (rounds 5 and
+      // 7): the oldest kept serves.
+      EXPECT_EQ(ref.corrected, 10u);
+      std::vector<float> out(n, std::numeric_limits<float>::quiet_NaN());
+      ASSERT_TRUE(store_->Read(key, out).ok());
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_NEAR(out[i], ref.opt.w[i], 1e-5 * std::max(1.0, std::abs(ref.opt.w[i])))
+            << "element " << i;
+      }
+      // And the correction mattered: without it the result is elsewhere.
+      const SliceKey plain = MakeSliceKey(92 + variant, static_cast<uint32_t>(kind));
+      ASSERT_TRUE(store_->InitSlice(plain, init).ok());
+      for (const CompensatedRound& r : CompensatedSchedule()) {
+        ASSERT_TRUE(ApplyCompensated(*store_, plain, n, opt, r, 0.0f, 0, weights).ok());
+      }
+      std::vector<float> uncorrected(n);
+      ASSERT_TRUE(store_->Read(plain, uncorrected).ok());
+      EXPECT_FALSE(SameFloats(out, uncorrected));
+      SliceSnapshot snap;
+      ASSERT_TRUE(store_->Snapshot(key, snap).ok());
+      EXPECT_EQ(snap.kept.size(), kDepth);
+      EXPECT_EQ(snap.mean_square.size(), adaptive ? n : 0);
+    }
+  }
+  }
+}
+
+// Fresh gradients are not touched: a compensated round of fresh gradients is bit for bit the
+// round without compensation, while the versions are kept all the same.
+TEST_P(StoreTest, CompensationOfFreshGradientsIsBitIdenticalToNone) {
+  constexpr size_t n = 1027;
+  const std::vector<float> init = Random(n, 41);
+  const SliceKey a = MakeSliceKey(94, 0), b = MakeSliceKey(94, 1);
+  ASSERT_TRUE(store_->InitSlice(a, init).ok());
+  ASSERT_TRUE(store_->InitSlice(b, init).ok());
+  const OptimizerConfig opt = Optimizer(OptimizerKind::kAdam);
+  for (uint64_t round = 0; round < 5; ++round) {
+    const CompensatedRound r{round, {static_cast<int64_t>(round), static_cast<int64_t>(round)}};
+    ASSERT_TRUE(ApplyCompensated(*store_, a, n, opt, r, 3.0f, 4).ok());
+    ASSERT_TRUE(ApplyCompensated(*store_, b, n, opt, r, 0.0f, 0).ok());
+  }
+  std::vector<float> x(n), y(n);
+  ASSERT_TRUE(store_->Read(a, x).ok());
+  ASSERT_TRUE(store_->Read(b, y).ok());
+  EXPECT_TRUE(SameFloats(x, y));
+  SliceSnapshot snap;
+  ASSERT_TRUE(store_->Snapshot(a, snap).ok());
+  ASSERT_EQ(snap.kept.size(), 4u);
+  EXPECT_EQ(snap.kept.front().round, 1u);
+  EXPECT_EQ(snap.kept.back().round, 4u);
+  ASSERT_TRUE(store_->Snapshot(b, snap).ok());
+  EXPECT_TRUE(snap.kept.empty());
+}
+
+// The kept versions travel in snapshots: a slice restored mid-schedule, here or in a fresh
+// store, compensates the later stale gradients bit for bit as the original does; a restored
+// slice laid out for a smaller depth keeps the newest versions.
+TEST_P(StoreTest, SnapshotsCarryTheKeptVersionsAndRestoredSlicesCompensateAlike) {
+  for (const bool adaptive : {false, true}) {
+  SCOPED_TRACE(adaptive ? "adaptive" : "constant");
+  constexpr size_t n = 2053;
+  constexpr float kLambda = 0.5f;
+  constexpr uint32_t kDepth = 3;
+  const OptimizerConfig opt = Optimizer(OptimizerKind::kMomentum);
+  const uint32_t tensor = adaptive ? 97 : 95;
+  const SliceKey key = MakeSliceKey(tensor, 0), copy = MakeSliceKey(tensor, 1);
+  ASSERT_TRUE(store_->InitSlice(key, Random(n, 42)).ok());
+  const auto& schedule = CompensatedSchedule();
+  const size_t half = 6;  // rounds 0..5
+  for (size_t i = 0; i < half; ++i) {
+    ASSERT_TRUE(ApplyCompensated(*store_, key, n, opt, schedule[i], kLambda, kDepth, {}, adaptive).ok());
+  }
+  SliceSnapshot snap;
+  ASSERT_TRUE(store_->Snapshot(key, snap).ok());
+  ASSERT_EQ(snap.mean_square.size(), adaptive ? n : 0);
+  ASSERT_EQ(snap.kept.size(), 3u);  // rounds 2, 4, 5 (3 changed nothing)
+  EXPECT_EQ(snap.kept[0].round, 2u);
+  EXPECT_EQ(snap.kept[1].round, 4u);
+  EXPECT_EQ(snap.kept[2].round, 5u);
+  for (const KeptVersion& k : snap.kept) EXPECT_EQ(k.params.size(), n);
+
+  std::string skip;
+  std::unique_ptr<ParamStore> fresh = GetParam().make(&skip);
+  ASSERT_TRUE(fresh) << skip;
+  ASSERT_TRUE(store_->Restore(copy, snap).ok());
+  ASSERT_TRUE(fresh->Restore(key, snap).ok());
+  SliceSnapshot again;
+  ASSERT_TRUE(store_->Snapshot(copy, again).ok());
+  ASSERT_EQ(again.kept.size(), snap.kept.size());
+  for (size_t i = 0; i < snap.kept.size(); ++i) {
+    EXPECT_EQ(again.kept[i].round, snap.kept[i].round);
+    EXPECT_TRUE(SameFloats(again.kept[i].params, snap.kept[i].params)) << "kept version " << i;
+  }
+  EXPECT_TRUE(SameFloats(again.mean_square, snap.mean_square));
+  for (size_t i = half; i < schedule.size(); ++i) {
+    for (auto [store, k] : {std::pair{store_.get(), key}, std::pair{store_.get(), copy},
+                            std::pair{fresh.get(), key}}) {
+      const Status st = ApplyCompensated(*store, k, n, opt, schedule[i], kLambda, kDepth, {}, adaptive);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+  }
+  std::vector<float> original(n), restored(n, std::numeric_limits<float>::quiet_NaN()),
+      elsewhere(n, std::numeric_limits<float>::quiet_NaN());
+  ASSERT_TRUE(store_->Read(key, original).ok());
+  ASSERT_TRUE(store_->Read(copy, restored).ok());
+  ASSERT_TRUE(fresh->Read(key, elsewhere).ok());
+  EXPECT_TRUE(SameFloats(restored, original));
+  EXPECT_TRUE(SameFloats(elsewhere, original));
+
+  // Restored, then applied with a depth of 2: the newest two versions stay (rounds 4 and 5; a
+  // round without gradients keeps nothing), then round 7's replaces round 4's.
+  const SliceKey smaller = MakeSliceKey(tensor, 2);
+  ASSERT_TRUE(store_->Restore(smaller, snap).ok());
+  ASSERT_TRUE(ApplyCompensated(*store_, smaller, n, opt, schedule[half], kLambda, 2, {}, adaptive).ok());
+  ASSERT_TRUE(store_->Snapshot(smaller, again).ok());
+  ASSERT_EQ(again.kept.size(), 2u);
+  EXPECT_EQ(again.kept[0].round, 4u);
+  EXPECT_TRUE(SameFloats(again.kept[0].params, snap.kept[1].params));
+  EXPECT_EQ(again.kept[1].round, 5u);
+  ASSERT_TRUE(ApplyCompensated(*store_, smaller, n, opt, schedule[half + 1], kLambda, 2, {}, adaptive).ok());
+  ASSERT_TRUE(store_->Snapshot(smaller, again).ok());
+  ASSERT_EQ(again.kept.size(), 2u);
+  EXPECT_EQ(again.kept[0].round, 5u);
+  EXPECT_TRUE(SameFloats(again.kept[0].params, snap.kept[2].params));
+  EXPECT_EQ(again.kept[1].round, schedule[half + 1].round);
+  // And a job without compensation drops what was kept.
+  ASSERT_TRUE(ApplyCompensated(*store_, smaller, n, opt, schedule[half + 2], 0.0f, 0).ok());
+  ASSERT_TRUE(store_->Snapshot(smaller, again).ok());
+  EXPECT_TRUE(again.kept.empty());
+  EXPECT_TRUE(again.mean_square.empty());
+  }
+}
+
+TEST_P(StoreTest, BadCompensationsAreRefusedAndChangeNothing) {
+  constexpr size_t n = 17;
+  const SliceKey key = MakeSliceKey(96, 0);
+  ASSERT_TRUE(store_->InitSlice(key, Random(n, 43)).ok());
+  const OptimizerConfig opt = Optimizer(OptimizerKind::kSgd);
+  ASSERT_TRUE(ApplyCompensated(*store_, key, n, opt, {0, {0, 0}}, 1.0f, 2).ok());
+  std::vector<float> before(n), after(n);
+  ASSERT_TRUE(store_->Read(key, before).ok());
+  SliceSnapshot kept_before;
+  ASSERT_TRUE(store_->Snapshot(key, kept_before).ok());
+  const std::vector<float> g = Random(n, 44);
+  const float* ptrs[] = {g.data(), g.data()};
+  const auto refused = [&](const Compensation& c, const std::string& says) {
+    const Status st = store_->ApplyRound(key, ptrs, {}, c, opt);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.message().find(says), std::string::npos) << st.message();
+  };
+  const uint64_t one_base[] = {0};
+  const uint64_t future[] = {0, 7};
+  refused(Compensation{1.0f, 2, 1, one_base}, "a round of 2 gradient(s) came with 1 base(s)");
+  refused(Compensation{1.0f, 2, 1, future},
+          "a gradient of version 7 in round 1: no gradient is newer than its round");
+  refused(Compensation{1.0f, 65, 1, {}}, "keeping 65 version(s)");
+  refused(Compensation{-1.0f, 2, 1, {}}, "factor -1");
+  ASSERT_TRUE(store_->Read(key, after).ok());
+  EXPECT_TRUE(SameFloats(before, after));
+  SliceSnapshot kept_after;
+  ASSERT_TRUE(store_->Snapshot(key, kept_after).ok());
+  ASSERT_EQ(kept_after.kept.size(), kept_before.kept.size());
+  EXPECT_EQ(kept_after.kept[0].round, kept_before.kept[0].round);
+  EXPECT_EQ(kept_after.steps, kept_before.steps);
+
+  // Kept versions that do not fit the parameters, or out of order, are refused on Restore.
+  SliceSnapshot bad = kept_before;
+  bad.kept.push_back({5, std::vector<float>(n - 1)});
+  Status st = store_->Restore(MakeSliceKey(96, 1), bad);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("kept version 1 (round 5) holds 16 floats, the parameters 17"),
+            std::string::npos) << st.message();
+  bad.kept.back() = {0, std::vector<float>(n)};
+  st = store_->Restore(MakeSliceKey(96, 1), bad);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  bad = kept_before;
+  bad.mean_square.assign(n + 1, 0.0f);
+  st = store_->Restore(MakeSliceKey(96, 1), bad);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("its mean square holds 18 floats, the parameters 17"),
+            std::string::npos) << st.message();
+  EXPECT_FALSE(store_->HasSlice(MakeSliceKey(96, 1)));
+}
+
 std::vector<StoreCase> Stores() {
   std::vector<StoreCase> v = {{"cpu", [](std::string*) { return cpu::MakeCpuStore(); }}};
 #if DSYNC_HAVE_CUDA
@@ -788,13 +1082,36 @@ TEST(CudaStore, MatchesTheCpuStoreWithinOneMillionthForEveryOptimizer) {
         ASSERT_TRUE(cpu->ApplyRound(key, ptrs, w, Optimizer(kind)).ok());
         ASSERT_TRUE((*gpu)->ApplyRound(key, ptrs, w, Optimizer(kind)).ok());
       }
-      std::vector<float> a(n, std::numeric_limits<float>::quiet_NaN());
-      std::vector<float> b(n, std::numeric_limits<float>::quiet_NaN());  // poisoned
-      ASSERT_TRUE(cpu->Read(key, a).ok());
-      ASSERT_TRUE((*gpu)->Read(key, b).ok());
-      for (size_t i = 0; i < n; ++i) {
-        ASSERT_NEAR(b[i], a[i], 1e-6 * std::max(1.0f, std::abs(a[i])))
-            << "element " << i << " of " << n;
+      // Two more slices through the compensated schedule, constant and adaptive: stale
+      // gradients corrected toward kept versions, and some weighed.
+      const SliceKey dc = MakeSliceKey(100 + static_cast<uint32_t>(kind), static_cast<uint32_t>(n));
+      const SliceKey dca = MakeSliceKey(110 + static_cast<uint32_t>(kind), static_cast<uint32_t>(n));
+      for (SliceKey k : {dc, dca}) {
+        ASSERT_TRUE(cpu->InitSlice(k, init).ok());
+        ASSERT_TRUE((*gpu)->InitSlice(k, init).ok());
+        for (const CompensatedRound& r : CompensatedSchedule()) {
+          const std::vector<float> dc_weights = {1.0f, 0.5f, 0.25f};
+          for (ParamStore* store : {cpu.get(), gpu->get()}) {
+            const Status st = ApplyCompensated(*store, k, n, Optimizer(kind), r, 0.25f, 2,
+                                               r.round % 2 ? dc_weights : std::vector<float>{},
+                                               k == dca);
+            ASSERT_TRUE(st.ok()) << st.ToString();
+          }
+        }
+      }
+      for (SliceKey k : {key, dc, dca}) {
+        std::vector<float> a(n, std::numeric_limits<float>::quiet_NaN());
+        std::vector<float> b(n, std::numeric_limits<float>::quiet_NaN());  // poisoned
+        ASSERT_TRUE(cpu->Read(k, a).ok());
+        ASSERT_TRUE((*gpu)->Read(k, b).ok());
+        // `sum` adds whole gradients: its compensations multiply differences of values that
+        // grow round by round, and with them a fused multiply-add's rounding.
+        const float tolerance = k != key && kind == OptimizerKind::kSum ? 1e-5f : 1e-6f;
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_NEAR(b[i], a[i], tolerance * std::max(1.0f, std::abs(a[i])))
+              << (k == dc ? "compensated " : k == dca ? "adaptive " : "") << "element " << i
+              << " of " << n;
+        }
       }
     }
   }

@@ -66,7 +66,7 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
     });
     // Each slice is there once per copy (Config::replicas) kept by a rank that wrote a file,
     // and every copy applied the same rounds: they must be bit-identical (values, optimizer
-    // state, step count). One is kept.
+    // state, step count, versions kept for delay compensation). One is kept.
     std::vector<const ps::CheckpointSlice*> unique;
     for (size_t i = 0; i < list.size();) {
       const ps::CheckpointSlice* a = list[i];
@@ -81,7 +81,8 @@ Result<std::vector<Assembled>> Assemble(const ps::FoundCheckpoint& found) {
                        copies == 1 ? "y" : "ies");
         }
         if (b->snapshot.params != a->snapshot.params || b->snapshot.state != a->snapshot.state ||
-            b->snapshot.steps != a->snapshot.steps || b->meta.name != a->meta.name ||
+            b->snapshot.steps != a->snapshot.steps || b->snapshot.kept != a->snapshot.kept ||
+            b->snapshot.mean_square != a->snapshot.mean_square || b->meta.name != a->meta.name ||
             b->meta.tensor_elements != a->meta.tensor_elements ||
             b->meta.optimizer != a->meta.optimizer || b->meta.shape != a->meta.shape) {
           return Error(StatusCode::kDataLoss,

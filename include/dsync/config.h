@@ -53,22 +53,39 @@ struct SyncMode {
   bool operator==(const SyncMode&) const = default;
 };
 
-// How the servers weigh a gradient that is s rounds stale (s = the round it is applied in
-// minus the model version it was computed on; docs/contract.md, "Staleness"), chosen per job:
-// none weighs every gradient 1; inverse weighs it 1 / (1 + s) (staleness-aware asynchronous
-// SGD: the learning rate divided by the staleness); exp:C weighs it C^s, 0 < C <= 1. A
-// gradient with s = 0 always weighs exactly 1, so bsp is the same under every policy.
+// How the servers treat a gradient that is s rounds stale (s = the round it is applied in
+// minus the model version it was computed on; docs/contract.md, "Staleness"), chosen per job.
+// Its weight: none weighs every gradient 1; inverse weighs it 1 / (1 + s) (staleness-aware
+// asynchronous SGD: the learning rate divided by the staleness); exp:C weighs it C^s,
+// 0 < C <= 1. Its delay compensation (dc:L[,D], alone or after a weight: "inverse+dc:L"):
+// g + L * g * g * (w - w_base), DC-ASGD's first-order correction toward the current model w,
+// with the servers keeping the last D versions of each slice to know w_base; dca:L[,D] is
+// DC-ASGD's adaptive form, L / sqrt(ms) in place of L, ms a running mean of g * g per element.
+// A gradient with s = 0 is always left exactly as it is, so bsp is the same under every policy.
 enum class StalenessKind { kNone, kInverse, kExp };
 
 struct StalenessPolicy {
+  // dc:L without D keeps this many versions where the sync mode has no bound of its own
+  // (ssp, asp); a round mode keeps its bound D, which no gradient's staleness exceeds.
+  static constexpr uint32_t kDefaultCompensationDepth = 4;
+  // Each version kept is a copy of every slice: D is capped well below what memory allows.
+  static constexpr uint32_t kMaxCompensationDepth = 64;
+
   StalenessKind kind = StalenessKind::kNone;
   float base = 1.0f;  // exp: C
+  float compensation = 0.0f;  // dc, dca: L (0: no compensation)
+  uint32_t depth = 0;         // dc, dca: D (0: the default above)
+  bool adaptive = false;      // dca
 
-  // "none", "inverse", "exp:C".
+  // "none", "inverse", "exp:C", "dc:L", "dc:L,D", "inverse+dc:L[,D]", "exp:C+dc:L[,D]", and
+  // the same with dca for dc.
   static Result<StalenessPolicy> Parse(std::string_view text);
   std::string ToString() const;
   // The weight of a gradient `staleness` rounds stale, in [0, 1]; exactly 1 at 0.
   float Weight(uint64_t staleness) const;
+  // How many versions of each slice the servers keep to compensate under `sync`: 0 without
+  // compensation, or where no gradient is ever stale (bsp).
+  uint32_t CompensationDepth(const SyncMode& sync) const;
   bool operator==(const StalenessPolicy&) const = default;
 };
 

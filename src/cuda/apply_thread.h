@@ -31,10 +31,12 @@ DSYNC_HD bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) %
 // stride can break it. Only the arrays update U touches count: sgd ignores s0 and s1.
 template <Update U>
 DSYNC_HD bool UsesVec4(const float* w, const float* s0, const float* s1, const float* g,
-                       uint32_t k, uint64_t stride) {
+                       uint32_t k, uint64_t stride, const KernelCompensation& comp = {}) {
   bool ok = Aligned16(w) && Aligned16(g) && (k <= 1 || stride % 4 == 0);
   if constexpr (kStateArrays<U> >= 1) ok = ok && Aligned16(s0);
   if constexpr (kStateArrays<U> >= 2) ok = ok && Aligned16(s1);
+  if (comp.kept != nullptr) ok = ok && Aligned16(comp.kept) && comp.row_stride % 4 == 0;
+  if (comp.mean_square != nullptr) ok = ok && Aligned16(comp.mean_square);
   return ok;
 }
 
@@ -78,28 +80,72 @@ DSYNC_HD void Step(float& w, float& s0, float& s1, float sum, const ps::Optimize
   (void)s1;
 }
 
-// The sum of the k >= 1 gradients of one element, in order 0..k-1, each weighed when
-// `weights` is not null (ps/optimizer_math.h WeighFirst, AddWeighed).
-DSYNC_HD float SumOf(const float* __restrict__ g, const float* __restrict__ weights, uint32_t k,
-                     uint64_t stride, uint64_t i) {
+// Gradient j of element i as it enters the sum: corrected toward its kept row when it has one
+// (ps::Compensate; w is the element's value before the update). With the adaptive form, `ms`
+// (the element's running mean square, in a register) first takes in the gradient.
+DSYNC_HD float TermOf(const float* __restrict__ g, const KernelCompensation& comp, uint32_t j,
+                      uint64_t stride, uint64_t i, float w, float& ms) {
+  const float gj = g[j * stride + i];
+  if (comp.mean_square != nullptr) ms = ps::MeanSquareStep(ms, gj);
+  if (comp.rows == nullptr || comp.rows[j] < 0) return gj;
+  // The square root only for a gradient it corrects.
+  const float lambda = comp.mean_square != nullptr ? ps::AdaptiveLambda(comp.lambda, ms) : comp.lambda;
+  return ps::Compensate(gj, w, comp.kept[static_cast<uint64_t>(comp.rows[j]) * comp.row_stride + i],
+                        lambda);
+}
+
+// The same for 4 consecutive elements, with 16-byte loads.
+DSYNC_HD float4 TermOf4(const float* __restrict__ g, const KernelCompensation& comp, uint32_t j,
+                        uint64_t stride, uint64_t i, const float4& w, float4& ms) {
+  float4 gj = Load4(g + j * stride + i);
+  if (comp.mean_square != nullptr) {
+    ms.x = ps::MeanSquareStep(ms.x, gj.x);
+    ms.y = ps::MeanSquareStep(ms.y, gj.y);
+    ms.z = ps::MeanSquareStep(ms.z, gj.z);
+    ms.w = ps::MeanSquareStep(ms.w, gj.w);
+  }
+  if (comp.rows == nullptr || comp.rows[j] < 0) return gj;
+  float4 lambda{comp.lambda, comp.lambda, comp.lambda, comp.lambda};
+  if (comp.mean_square != nullptr) {
+    lambda.x = ps::AdaptiveLambda(comp.lambda, ms.x);
+    lambda.y = ps::AdaptiveLambda(comp.lambda, ms.y);
+    lambda.z = ps::AdaptiveLambda(comp.lambda, ms.z);
+    lambda.w = ps::AdaptiveLambda(comp.lambda, ms.w);
+  }
+  const float4 h = Load4(comp.kept + static_cast<uint64_t>(comp.rows[j]) * comp.row_stride + i);
+  gj.x = ps::Compensate(gj.x, w.x, h.x, lambda.x);
+  gj.y = ps::Compensate(gj.y, w.y, h.y, lambda.y);
+  gj.z = ps::Compensate(gj.z, w.z, h.z, lambda.z);
+  gj.w = ps::Compensate(gj.w, w.w, h.w, lambda.w);
+  return gj;
+}
+
+// The sum of the k >= 1 gradients of one element, in order 0..k-1, each corrected as TermOf
+// says and weighed when `weights` is not null (ps/optimizer_math.h WeighFirst, AddWeighed).
+DSYNC_HD float SumOf(const float* __restrict__ g, const float* __restrict__ weights,
+                     const KernelCompensation& comp, uint32_t k, uint64_t stride, uint64_t i,
+                     float w, float& ms) {
   if (weights == nullptr) {
-    float sum = g[i];
-    for (uint32_t j = 1; j < k; ++j) sum += g[j * stride + i];
+    float sum = TermOf(g, comp, 0, stride, i, w, ms);
+    for (uint32_t j = 1; j < k; ++j) sum += TermOf(g, comp, j, stride, i, w, ms);
     return sum;
   }
-  float sum = ps::WeighFirst(g[i], weights[0]);
-  for (uint32_t j = 1; j < k; ++j) sum = ps::AddWeighed(sum, g[j * stride + i], weights[j]);
+  float sum = ps::WeighFirst(TermOf(g, comp, 0, stride, i, w, ms), weights[0]);
+  for (uint32_t j = 1; j < k; ++j) {
+    sum = ps::AddWeighed(sum, TermOf(g, comp, j, stride, i, w, ms), weights[j]);
+  }
   return sum;
 }
 
 // The same for 4 consecutive elements at once, with 16-byte loads: per element the very
 // operations SumOf does.
-DSYNC_HD float4 SumOf4(const float* __restrict__ g, const float* __restrict__ weights, uint32_t k,
-                       uint64_t stride, uint64_t i) {
-  float4 sum = Load4(g + i);
+DSYNC_HD float4 SumOf4(const float* __restrict__ g, const float* __restrict__ weights,
+                       const KernelCompensation& comp, uint32_t k, uint64_t stride, uint64_t i,
+                       const float4& w, float4& ms) {
+  float4 sum = TermOf4(g, comp, 0, stride, i, w, ms);
   if (weights == nullptr) {
     for (uint32_t j = 1; j < k; ++j) {
-      const float4 gj = Load4(g + j * stride + i);
+      const float4 gj = TermOf4(g, comp, j, stride, i, w, ms);
       sum.x += gj.x;
       sum.y += gj.y;
       sum.z += gj.z;
@@ -112,7 +158,7 @@ DSYNC_HD float4 SumOf4(const float* __restrict__ g, const float* __restrict__ we
   sum.z = ps::WeighFirst(sum.z, weights[0]);
   sum.w = ps::WeighFirst(sum.w, weights[0]);
   for (uint32_t j = 1; j < k; ++j) {
-    const float4 gj = Load4(g + j * stride + i);
+    const float4 gj = TermOf4(g, comp, j, stride, i, w, ms);
     sum.x = ps::AddWeighed(sum.x, gj.x, weights[j]);
     sum.y = ps::AddWeighed(sum.y, gj.y, weights[j]);
     sum.z = ps::AddWeighed(sum.z, gj.z, weights[j]);
@@ -125,21 +171,30 @@ DSYNC_HD float4 SumOf4(const float* __restrict__ g, const float* __restrict__ we
 // elements q = thread, thread + threads, ... below n/4, then the n % 4 tail elements one
 // each; otherwise single elements thread, thread + threads, ... Every element of [0, n) is
 // owned by exactly one thread, and nothing outside it (nor gradient padding) is read.
-// Per element, both paths sum the k >= 1 gradients in order 0..k-1 (weighed by `weights`,
-// k floats, when not null) and then call the same Step, so they give identical results.
+// Per element, both paths sum the k >= 1 gradients in order 0..k-1 (corrected by `comp` and
+// weighed by `weights`, k floats, when not null), keep w where comp says, and then call the
+// same Step, so they give identical results.
 template <Update U>
 DSYNC_HD void ApplyThread(uint64_t thread, uint64_t threads, float* __restrict__ w,
                           float* __restrict__ s0, float* __restrict__ s1,
                           const float* __restrict__ g, const float* __restrict__ weights,
-                          uint32_t k, uint64_t stride, uint64_t n,
+                          const KernelCompensation& comp, uint32_t k, uint64_t stride, uint64_t n,
                           const ps::OptimizerScalars& sc) {
+  // The kept row may be one the sum reads (the oldest kept, which this round replaces): each
+  // element is read by the sum before the same thread overwrites it.
+  float* const keep =
+      comp.keep >= 0 ? comp.kept + static_cast<uint64_t>(comp.keep) * comp.row_stride : nullptr;
   uint64_t scalar_from = 0;
-  if (UsesVec4<U>(w, s0, s1, g, k, stride)) {
+  if (UsesVec4<U>(w, s0, s1, g, k, stride, comp)) {
     const uint64_t groups = n / 4;
     for (uint64_t q = thread; q < groups; q += threads) {
       const uint64_t i = 4 * q;
-      const float4 sum = SumOf4(g, weights, k, stride, i);
       float4 wv = Load4(w + i);
+      float4 ms{};
+      if (comp.mean_square != nullptr) ms = Load4(comp.mean_square + i);
+      const float4 sum = SumOf4(g, weights, comp, k, stride, i, wv, ms);
+      if (keep != nullptr) Store4(keep + i, wv);
+      if (comp.mean_square != nullptr) Store4(comp.mean_square + i, ms);
       float4 a{}, b{};
       if constexpr (kStateArrays<U> >= 1) a = Load4(s0 + i);
       if constexpr (kStateArrays<U> >= 2) b = Load4(s1 + i);
@@ -154,8 +209,11 @@ DSYNC_HD void ApplyThread(uint64_t thread, uint64_t threads, float* __restrict__
     scalar_from = 4 * groups;
   }
   for (uint64_t i = scalar_from + thread; i < n; i += threads) {
-    const float sum = SumOf(g, weights, k, stride, i);
     float wi = w[i];
+    float ms = comp.mean_square != nullptr ? comp.mean_square[i] : 0.0f;
+    const float sum = SumOf(g, weights, comp, k, stride, i, wi, ms);
+    if (keep != nullptr) keep[i] = wi;
+    if (comp.mean_square != nullptr) comp.mean_square[i] = ms;
     float a = 0.0f, b = 0.0f;
     if constexpr (kStateArrays<U> >= 1) a = s0[i];
     if constexpr (kStateArrays<U> >= 2) b = s1[i];

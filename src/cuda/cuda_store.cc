@@ -14,6 +14,7 @@
 #include "ps/optimizer.h"
 #include "ps/slice_table.h"
 #include "ps/trace.h"
+#include "ps/version_ring.h"
 
 namespace dsync::cuda {
 namespace {
@@ -37,6 +38,11 @@ struct Slice {
   // momentum: buf; adam, adamw: m, v (allocated, zeroed, on first use)
   DeviceBuffer state[ps::kMaxStateArrays];
   uint64_t steps = 0;
+  // Delay compensation: the versions kept, ring.depth() rows GradientStride(n) floats apart.
+  ps::VersionRing ring;
+  DeviceBuffer kept;
+  DeviceBuffer mean_square;      // the adaptive form's, n floats (null: none)
+  std::vector<int32_t> rows_of;  // per gradient of the round applied: its kept row, or -1
 };
 
 
@@ -110,11 +116,28 @@ class CudaStore final : public ps::ParamStore {
 
   using ParamStore::ApplyRound;
   Status ApplyRound(SliceKey key, std::span<const float* const> grads,
-                    std::span<const float> weights, const OptimizerConfig& opt) override {
+                    std::span<const float> weights, const ps::Compensation& comp,
+                    const OptimizerConfig& opt) override {
     DSYNC_ASSIGN_OR_RETURN(Slice * s, slices_.Get(key));
     DSYNC_RETURN_IF_ERROR(ps::CheckRoundWeights(grads.size(), weights.size()));
-    if (grads.empty()) return Status::Ok();
+    DSYNC_RETURN_IF_ERROR(ps::CheckCompensation(grads.size(), comp));
+    const bool adaptive = comp.adaptive && comp.depth > 0;
+    if (comp.depth == s->ring.depth() && adaptive == static_cast<bool>(s->mean_square) &&
+        grads.empty()) {
+      return Status::Ok();
+    }
     DSYNC_ASSIGN_OR_RETURN(LaneLease lane, TakeLane());
+    if (comp.depth != s->ring.depth()) DSYNC_RETURN_IF_ERROR(Relayout(*s, comp.depth, lane.get()));
+    if (adaptive && !s->mean_square) {
+      DSYNC_ASSIGN_OR_RETURN(DeviceBuffer ms, DeviceAlloc(s->n, "allocating the mean square"));
+      DSYNC_CUDA_RETURN(cudaMemsetAsync(ms.get(), 0, s->n * sizeof(float), lane->stream),
+                        "zeroing the mean square");
+      DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "zeroing the mean square");
+      s->mean_square = std::move(ms);
+    } else if (!adaptive) {
+      s->mean_square.reset();
+    }
+    if (grads.empty()) return Status::Ok();
     DSYNC_RETURN_IF_ERROR(device_memory_.FlushBeforeReading(grads, s->n * sizeof(float)));
     const uint32_t slots = ps::OptimizerStateSlots(opt.kind);
     for (uint32_t i = 0; i < slots; ++i) {
@@ -129,29 +152,52 @@ class CudaStore final : public ps::ParamStore {
         s->state[i] = std::move(state);
       }
     }
+    // Every row is looked up before the round's own is taken, which may be one of them.
+    bool corrects = false;
+    s->rows_of.assign(grads.size(), -1);
+    for (size_t k = 0; k < comp.bases.size() && comp.lambda != 0.0f; ++k) {
+      s->rows_of[k] = s->ring.RowFor(comp.bases[k]);
+      corrects = corrects || s->rows_of[k] >= 0;
+    }
+    KernelCompensation kc;
+    if (s->ring.depth() > 0) {
+      kc.kept = s->kept.get();
+      kc.row_stride = GradientStride(s->n);
+      kc.keep = s->ring.RowToKeep();  // recorded once the round ran
+      kc.lambda = comp.lambda;
+      kc.mean_square = s->mean_square.get();
+    }
     // Once anything is queued on the stream, it is synchronized before returning, error or
     // not: the caller reuses the host gradient buffers as soon as this returns.
-    const Status queued = EnqueueRound(s, lane.get(), grads, weights, opt);
+    const Status queued = EnqueueRound(s, lane.get(), grads, weights,
+                                       corrects ? std::span<const int32_t>(s->rows_of)
+                                                : std::span<const int32_t>(),
+                                       kc, opt);
     const cudaError_t synced = cudaStreamSynchronize(lane->stream);
     DSYNC_RETURN_IF_ERROR(queued);
     if (synced != cudaSuccess) return CudaError(synced, "applying a round");
     ++s->steps;  // counted only once applied: adam's bias correction depends on it
+    s->ring.Kept(kc.keep, comp.round);
     return Status::Ok();
   }
 
   // Copies the round's gradients to the device and launches the update, on the lane's
   // stream; the caller synchronizes.
   Status EnqueueRound(const Slice* s, Lane* lane, std::span<const float* const> grads,
-                      std::span<const float> weights, const OptimizerConfig& opt) {
+                      std::span<const float> weights, std::span<const int32_t> rows,
+                      KernelCompensation comp, const OptimizerConfig& opt) {
     // Padded so that every gradient slot keeps the kernel's 16-byte loads aligned.
     const uint64_t stride = GradientStride(s->n);
-    // Where the weights, if any, go in the scratch: behind the gradients.
+    // Where the weights, if any, go in the scratch: behind the gradients; the compensated
+    // gradients' rows, if any, behind them (int32 in float-sized places).
     const uint64_t weights_at = stride * grads.size();
+    const uint64_t rows_at = weights_at + weights.size();
+    static_assert(sizeof(int32_t) == sizeof(float));
     {
       // Enqueue only; nsys projects the range onto the stream that runs the copies.
       trace::Scoped range(trace::Range::kStoreAggregate);
       // The scratch only grows: in steady state a round allocates nothing.
-      const uint64_t need = weights_at + weights.size();
+      const uint64_t need = rows_at + rows.size();
       if (need > lane->scratch_floats) {
         lane->scratch.reset();  // free first: the old and new areas need not coexist
         lane->scratch_floats = 0;
@@ -170,6 +216,14 @@ class CudaStore final : public ps::ParamStore {
                                           cudaMemcpyHostToDevice, lane->stream),
                           "copying the gradients' weights to the device");
       }
+      if (!rows.empty()) {
+        DSYNC_CUDA_RETURN(cudaMemcpyAsync(lane->scratch.get() + rows_at, rows.data(),
+                                          rows.size_bytes(), cudaMemcpyHostToDevice,
+                                          lane->stream),
+                          "copying the kept rows of stale gradients to the device");
+        // Device memory from cudaMalloc has no declared type; the kernel reads these as int32.
+        comp.rows = reinterpret_cast<const int32_t*>(lane->scratch.get() + rows_at);
+      }
     }
     trace::Scoped range(trace::Range::kStoreApply);
     const ps::OptimizerScalars sc =
@@ -177,7 +231,7 @@ class CudaStore final : public ps::ParamStore {
     DSYNC_CUDA_RETURN(LaunchApplyRound(UpdateOf(opt.kind), s->params.get(), s->state[0].get(),
                                        s->state[1].get(), lane->scratch.get(),
                                        weights.empty() ? nullptr : lane->scratch.get() + weights_at,
-                                       static_cast<uint32_t>(grads.size()), stride, s->n, sc,
+                                       comp, static_cast<uint32_t>(grads.size()), stride, s->n, sc,
                                        lane->stream),
                       "launching the update kernel");
     return Status::Ok();
@@ -213,6 +267,19 @@ class CudaStore final : public ps::ParamStore {
       copied = cudaMemcpyAsync(out.state[i].data(), s->state[i].get(), s->n * sizeof(float),
                                cudaMemcpyDefault, lane->stream);
     }
+    const std::vector<uint32_t> kept = s->ring.RowsOldestFirst();
+    out.kept.resize(kept.size());
+    for (size_t i = 0; i < kept.size() && copied == cudaSuccess; ++i) {
+      out.kept[i].round = s->ring.RoundOf(kept[i]);
+      out.kept[i].params.resize(s->n);
+      copied = cudaMemcpyAsync(out.kept[i].params.data(), Row(*s, kept[i]),
+                               s->n * sizeof(float), cudaMemcpyDefault, lane->stream);
+    }
+    out.mean_square.resize(s->mean_square ? s->n : 0);
+    if (s->mean_square && copied == cudaSuccess) {
+      copied = cudaMemcpyAsync(out.mean_square.data(), s->mean_square.get(), s->n * sizeof(float),
+                               cudaMemcpyDefault, lane->stream);
+    }
     const cudaError_t synced = cudaStreamSynchronize(lane->stream);  // even if a copy failed
     DSYNC_CUDA_RETURN(copied, "copying a slice into a snapshot");
     DSYNC_CUDA_RETURN(synced, "copying a slice into a snapshot");
@@ -233,11 +300,30 @@ class CudaStore final : public ps::ParamStore {
       DSYNC_ASSIGN_OR_RETURN(slice->state[i],
                              DeviceAlloc(slice->n, "allocating optimizer state"));
     }
+    const uint32_t depth = static_cast<uint32_t>(in.kept.size());
+    if (depth > 0) {
+      DSYNC_ASSIGN_OR_RETURN(slice->kept, DeviceAlloc(depth * GradientStride(slice->n),
+                                                      "allocating kept versions"));
+      std::vector<uint64_t> rounds;
+      for (const ps::KeptVersion& k : in.kept) rounds.push_back(k.round);
+      slice->ring.Assign(depth, rounds);
+    }
+    if (!in.mean_square.empty()) {
+      DSYNC_ASSIGN_OR_RETURN(slice->mean_square, DeviceAlloc(slice->n, "allocating the mean square"));
+    }
     cudaError_t copied = cudaMemcpyAsync(slice->params.get(), in.params.data(),
                                          slice->n * sizeof(float), cudaMemcpyDefault,
                                          lane->stream);
     for (size_t i = 0; i < in.state.size() && copied == cudaSuccess; ++i) {
       copied = cudaMemcpyAsync(slice->state[i].get(), in.state[i].data(),
+                               slice->n * sizeof(float), cudaMemcpyDefault, lane->stream);
+    }
+    for (uint32_t i = 0; i < depth && copied == cudaSuccess; ++i) {
+      copied = cudaMemcpyAsync(Row(*slice, i), in.kept[i].params.data(), slice->n * sizeof(float),
+                               cudaMemcpyDefault, lane->stream);
+    }
+    if (slice->mean_square && copied == cudaSuccess) {
+      copied = cudaMemcpyAsync(slice->mean_square.get(), in.mean_square.data(),
                                slice->n * sizeof(float), cudaMemcpyDefault, lane->stream);
     }
     // Even if a copy failed: nothing may still read `in` once this returns.
@@ -249,6 +335,32 @@ class CudaStore final : public ps::ParamStore {
   }
 
  private:
+  static float* Row(const Slice& s, uint32_t row) {
+    return s.kept.get() + static_cast<uint64_t>(row) * GradientStride(s.n);
+  }
+
+  // Lays the kept versions out in `depth` rows, keeping the newest (a job's depth is fixed, so
+  // this runs when a slice first sees it, or after a Restore). Synchronous: it happens once.
+  Status Relayout(Slice& s, uint32_t depth, Lane* lane) {
+    DeviceBuffer rows;
+    if (depth > 0) {
+      DSYNC_ASSIGN_OR_RETURN(rows, DeviceAlloc(depth * GradientStride(s.n), "allocating kept versions"));
+    }
+    std::vector<uint64_t> rounds;
+    const std::vector<uint32_t> keep = s.ring.RowsKeptAt(depth);
+    for (size_t i = 0; i < keep.size(); ++i) {
+      DSYNC_CUDA_RETURN(cudaMemcpyAsync(rows.get() + i * GradientStride(s.n), Row(s, keep[i]),
+                                        s.n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                        lane->stream),
+                        "moving kept versions");
+      rounds.push_back(s.ring.RoundOf(keep[i]));
+    }
+    DSYNC_CUDA_RETURN(cudaStreamSynchronize(lane->stream), "moving kept versions");
+    s.kept = std::move(rows);
+    s.ring.Assign(depth, rounds);
+    return Status::Ok();
+  }
+
   void ReturnLane(std::unique_ptr<Lane> lane) const {
     std::lock_guard lock(lanes_mu_);
     idle_lanes_.push_back(std::move(lane));

@@ -20,13 +20,19 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// Format 02 adds each slice's copy number (replicated slices); 01 files (one copy) still load.
-constexpr char kMagic[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '2'};
+// Format 02 adds each slice's copy number (replicated slices), 03 the versions each slice
+// keeps for delay compensation; 01 and 02 files still load (no versions kept).
+constexpr char kMagic[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '3'};
+constexpr char kMagicTwo[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '2'};
 constexpr char kMagicOne[8] = {'D', 'S', 'C', 'K', 'P', 'T', '0', '1'};
-bool IsMagic(const void* p) {
-  return std::memcmp(p, kMagic, sizeof(kMagic)) == 0 ||
-         std::memcmp(p, kMagicOne, sizeof(kMagicOne)) == 0;
+// The format a file's magic names (1, 2, 3), or 0 when it is none of ours.
+int FormatOf(const void* p) {
+  if (std::memcmp(p, kMagic, sizeof(kMagic)) == 0) return 3;
+  if (std::memcmp(p, kMagicTwo, sizeof(kMagicTwo)) == 0) return 2;
+  if (std::memcmp(p, kMagicOne, sizeof(kMagicOne)) == 0) return 1;
+  return 0;
 }
+bool IsMagic(const void* p) { return FormatOf(p) != 0; }
 constexpr const char* kManifest = "MANIFEST.json";
 constexpr const char* kPrefix = "ckpt-";
 constexpr const char* kRefusedPrefix = "refused-";
@@ -339,6 +345,9 @@ std::vector<std::span<const std::byte>> FileParts(const ServerCheckpoint& c,
     w.Put(static_cast<uint64_t>(s.snapshot.params.size()));
     w.Put(s.snapshot.steps);
     w.Put(static_cast<uint32_t>(s.snapshot.state.size()));
+    w.Put(static_cast<uint32_t>(s.snapshot.kept.size()));
+    for (const KeptVersion& k : s.snapshot.kept) w.Put(k.round);
+    w.Put(static_cast<uint32_t>(s.snapshot.mean_square.empty() ? 0 : 1));
     w.Put(static_cast<uint32_t>(meta.size()));
     heads[i + 1].insert(heads[i + 1].end(), meta.begin(), meta.end());
   }
@@ -348,6 +357,10 @@ std::vector<std::span<const std::byte>> FileParts(const ServerCheckpoint& c,
     parts.emplace_back(heads[i + 1]);
     parts.push_back(FloatBytes(c.slices[i].snapshot.params));
     for (const std::vector<float>& st : c.slices[i].snapshot.state) parts.push_back(FloatBytes(st));
+    for (const KeptVersion& k : c.slices[i].snapshot.kept) parts.push_back(FloatBytes(k.params));
+    if (!c.slices[i].snapshot.mean_square.empty()) {
+      parts.push_back(FloatBytes(c.slices[i].snapshot.mean_square));
+    }
   }
   return parts;
 }
@@ -437,22 +450,33 @@ Result<ServerCheckpoint> ParseServerCheckpoint(std::span<const std::byte> data,
       !r.Get(&count)) {
     return corrupt("its header is cut short");
   }
-  const bool copies = std::memcmp(data.data(), kMagic, sizeof(kMagic)) == 0;
+  const int format = FormatOf(data.data());
+  const bool copies = format >= 2, kept_versions = format >= 3;
   size_t at = kHeaderBytes;
   for (uint32_t i = 0; i < count; ++i) {
     CheckpointSlice s;
     uint64_t elements = 0;
-    uint32_t arrays = 0, meta_len = 0;
+    uint32_t arrays = 0, kept = 0, mean_square = 0, meta_len = 0;
     MetaReader h(std::span<const std::byte>(data.data() + at, body - at));
-    if (!h.Get(&s.tensor) || !h.Get(&s.slice) || (copies && !h.Get(&s.replica)) ||
-        !h.Get(&elements) || !h.Get(&s.snapshot.steps) || !h.Get(&arrays) || !h.Get(&meta_len)) {
+    bool whole = h.Get(&s.tensor) && h.Get(&s.slice) && (!copies || h.Get(&s.replica)) &&
+                 h.Get(&elements) && h.Get(&s.snapshot.steps) && h.Get(&arrays) &&
+                 (!kept_versions || h.Get(&kept));
+    if (whole && kept > kMaxKeptVersions) {
+      return corrupt(fmt::format("slice {} of {} keeps {} versions; at most {} are kept", i, count,
+                                 kept, kMaxKeptVersions));
+    }
+    s.snapshot.kept.resize(whole ? kept : 0);
+    for (KeptVersion& k : s.snapshot.kept) whole = whole && h.Get(&k.round);
+    if (!whole || (kept_versions && !h.Get(&mean_square)) || !h.Get(&meta_len)) {
       return corrupt(fmt::format("slice {} of {} is cut short", i, count));
     }
-    at += (copies ? 3 : 2) * sizeof(uint32_t) + 2 * sizeof(uint64_t) + 2 * sizeof(uint32_t);
+    at += (copies ? 3 : 2) * sizeof(uint32_t) + 2 * sizeof(uint64_t) + 2 * sizeof(uint32_t) +
+          (kept_versions ? 2 * sizeof(uint32_t) + kept * sizeof(uint64_t) : 0);
     // Lengths are checked against what is left before anything is allocated.
     const uint64_t left = body - at;
-    if (arrays > kMaxStateArrays || meta_len > kMaxMetaBytes || meta_len > left ||
-        elements == 0 || elements > (left - meta_len) / sizeof(float) / (1 + arrays)) {
+    if (arrays > kMaxStateArrays || mean_square > 1 || meta_len > kMaxMetaBytes ||
+        meta_len > left || elements == 0 ||
+        elements > (left - meta_len) / sizeof(float) / (1 + arrays + kept + mean_square)) {
       return corrupt(fmt::format("slice {} of {} announces more than the file holds", i, count));
     }
     DSYNC_RETURN_IF_ERROR(DecodeInit(std::span<const std::byte>(data.data() + at, meta_len), s.meta)
@@ -466,6 +490,8 @@ Result<ServerCheckpoint> ParseServerCheckpoint(std::span<const std::byte> data,
     take(s.snapshot.params);
     s.snapshot.state.resize(arrays);
     for (std::vector<float>& st : s.snapshot.state) take(st);
+    for (KeptVersion& k : s.snapshot.kept) take(k.params);
+    if (mean_square) take(s.snapshot.mean_square);
     c.slices.push_back(std::move(s));
   }
   if (at != body) return corrupt("it holds more than its slices");

@@ -9,12 +9,13 @@
 // name, fsync'd, renamed into place and its directory fsync'd, so a crash leaves either the
 // old state or the new one, never a torn file under the final name.
 //
-// A server file: "DSCKPT01", then (little-endian) u32 rank, u32 servers, u64 version,
+// A server file: "DSCKPT03", then (little-endian) u32 rank, u32 servers, u64 version,
 // u64 slice bytes, u32 slices; per slice u32 tensor, u32 slice, u32 copy number (0: the
-// primary; since "DSCKPT02", absent in "DSCKPT01" files), u64 elements, u64 steps,
-// u32 state arrays, u32 metadata bytes, the metadata (the tensor's kInit metadata: name,
-// size, offset, optimizer, shape; ps/protocol.h), then the parameters and each state array
-// as float32; last, the CRC-32 (zlib's) of everything before it.
+// primary; absent in "DSCKPT01" files), u64 elements, u64 steps, u32 state arrays, u32 kept
+// versions K, K u64 rounds and u32 mean squares M, 0 or 1 (delay compensation; absent before
+// "DSCKPT03"), u32 metadata bytes, the metadata (the tensor's kInit metadata: name, size,
+// offset, optimizer, shape; ps/protocol.h), then the parameters, each state array, each kept
+// version and the mean square as float32; last, the CRC-32 (zlib's) of everything before it.
 #pragma once
 
 #include <cstdint>

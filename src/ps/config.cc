@@ -1,5 +1,6 @@
 #include "dsync/config.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -101,26 +102,102 @@ std::string SyncMode::ToString() const {
   return "unknown";
 }
 
-Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view text) {
-  if (text == "none") return StalenessPolicy{};
-  if (text == "inverse") return StalenessPolicy{StalenessKind::kInverse, 1.0f};
+namespace {
+
+constexpr std::string_view kStalenessForms =
+    "none, inverse, exp:C (0 < C <= 1), dc:L[,D] or dca:L[,D] (L > 0, 1 <= D <= 64), or a "
+    "weight and a compensation joined by '+' (inverse+dc:L)";
+
+bool IsCompensation(std::string_view text) {
+  return text.starts_with("dc:") || text.starts_with("dca:");
+}
+
+// "dc:L[,D]" or "dca:L[,D]".
+Status ParseCompensation(std::string_view whole, std::string_view text, StalenessPolicy& p) {
+  p.adaptive = text.starts_with("dca:");
+  text.remove_prefix(p.adaptive ? 4 : 3);
+  const size_t comma = text.find(',');
+  auto lambda = ps::ParseFloat("", text.substr(0, comma));
+  if (!lambda.ok() || !std::isfinite(*lambda) || *lambda <= 0.0f) {
+    return Error(StatusCode::kInvalidArgument,
+                 "staleness policy '{}': the factor L of dc:L or dca:L must be a finite number "
+                 "above 0",
+                 whole);
+  }
+  p.compensation = *lambda;
+  if (comma == std::string_view::npos) return Status::Ok();
+  auto depth = ps::ParseUnsigned("", text.substr(comma + 1), StalenessPolicy::kMaxCompensationDepth);
+  if (!depth.ok() || *depth < 1) {
+    return Error(StatusCode::kInvalidArgument,
+                 "staleness policy '{}': the versions kept, D of dc:L,D, must be 1 to {}", whole,
+                 StalenessPolicy::kMaxCompensationDepth);
+  }
+  p.depth = static_cast<uint32_t>(*depth);
+  return Status::Ok();
+}
+
+Status ParseWeight(std::string_view whole, std::string_view text, StalenessPolicy& p) {
+  if (text == "none") return Status::Ok();
+  if (text == "inverse") {
+    p.kind = StalenessKind::kInverse;
+    return Status::Ok();
+  }
   if (text.starts_with("exp:")) {
     auto c = ps::ParseFloat("", text.substr(4));
-    if (c.ok() && *c > 0.0f && *c <= 1.0f) return StalenessPolicy{StalenessKind::kExp, *c};
+    if (c.ok() && *c > 0.0f && *c <= 1.0f) {
+      p.kind = StalenessKind::kExp;
+      p.base = *c;
+      return Status::Ok();
+    }
     return Error(StatusCode::kInvalidArgument,
-                 "staleness policy '{}': the factor C of exp:C must be in (0, 1]", text);
+                 "staleness policy '{}': the factor C of exp:C must be in (0, 1]", whole);
   }
-  return Error(StatusCode::kInvalidArgument,
-               "staleness policy '{}' is not one of none, inverse, exp:C (0 < C <= 1)", text);
+  return Error(StatusCode::kInvalidArgument, "staleness policy '{}' is not one of {}", whole,
+               kStalenessForms);
+}
+
+}  // namespace
+
+Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view text) {
+  StalenessPolicy p;
+  const size_t plus = text.find('+');
+  const std::string_view first = text.substr(0, plus);
+  if (plus == std::string_view::npos && IsCompensation(first)) {
+    DSYNC_RETURN_IF_ERROR(ParseCompensation(text, first, p));
+    return p;
+  }
+  DSYNC_RETURN_IF_ERROR(ParseWeight(text, first, p));
+  if (plus == std::string_view::npos) return p;
+  const std::string_view second = text.substr(plus + 1);
+  if (!IsCompensation(second) || p.kind == StalenessKind::kNone) {
+    return Error(StatusCode::kInvalidArgument, "staleness policy '{}' is not one of {}", text,
+                 kStalenessForms);
+  }
+  DSYNC_RETURN_IF_ERROR(ParseCompensation(text, second, p));
+  return p;
 }
 
 std::string StalenessPolicy::ToString() const {
+  std::string weight;
   switch (kind) {
-    case StalenessKind::kNone: return "none";
-    case StalenessKind::kInverse: return "inverse";
-    case StalenessKind::kExp: return fmt::format("exp:{}", base);
+    case StalenessKind::kNone: weight = "none"; break;
+    case StalenessKind::kInverse: weight = "inverse"; break;
+    case StalenessKind::kExp: weight = fmt::format("exp:{}", base); break;
   }
-  return "unknown";
+  if (compensation == 0.0f) return weight;
+  std::string dc = fmt::format("{}:{}", adaptive ? "dca" : "dc", compensation);
+  if (depth != 0) dc += fmt::format(",{}", depth);
+  return kind == StalenessKind::kNone ? dc : weight + "+" + dc;
+}
+
+uint32_t StalenessPolicy::CompensationDepth(const SyncMode& sync) const {
+  if (compensation == 0.0f) return 0;
+  // A round mode's staleness never exceeds its bound (0 in bsp); ssp and asp count rounds
+  // of one gradient each, which no fixed number bounds.
+  if (sync.kind == SyncKind::kRound) {
+    return std::min({depth != 0 ? depth : sync.bound, sync.bound, kMaxCompensationDepth});
+  }
+  return depth != 0 ? depth : kDefaultCompensationDepth;
 }
 
 float StalenessPolicy::Weight(uint64_t staleness) const {

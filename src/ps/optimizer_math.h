@@ -50,6 +50,28 @@ struct OptimizerScalars {
 DSYNC_HD float WeighFirst(float g, float weight) { return weight * g; }
 DSYNC_HD float AddWeighed(float sum, float g, float weight) { return sum + weight * g; }
 
+// Delay compensation (DC-ASGD, Zheng et al. 2017, "Asynchronous Stochastic Gradient Descent
+// with Delay Compensation"): a gradient g computed on the parameters w_base, applied to w,
+// is corrected to first order toward w with g * g standing in for the Hessian's diagonal:
+// g + lambda * g * g * (w - w_base). The stores call it only for stale gradients, so fresh
+// ones stay bit for bit what they were.
+DSYNC_HD float Compensate(float g, float w, float w_base, float lambda) {
+  return g + lambda * g * g * (w - w_base);
+}
+
+// DC-ASGD's adaptive form (DC-ASGD-a) scales lambda by 1 / sqrt(ms), ms a running mean of
+// g * g per element, updated with every gradient (fresh ones too), in member order, before
+// that gradient is corrected; the paper's decay. Since ms >= (1 - decay) * g * g after the
+// update, the correction stays below lambda * |g| * |w - w_base| / sqrt(1 - decay).
+constexpr float kMeanSquareDecay = 0.95f;
+constexpr float kMeanSquareKeep = 1.0f - kMeanSquareDecay;
+// Only keeps 0 / 0 away (a zero gradient on an element never seen nonzero).
+constexpr float kMeanSquareEps = 1e-12f;
+DSYNC_HD float MeanSquareStep(float ms, float g) {
+  return kMeanSquareDecay * ms + kMeanSquareKeep * g * g;
+}
+DSYNC_HD float AdaptiveLambda(float lambda, float ms) { return lambda / sqrtf(ms + kMeanSquareEps); }
+
 // The round's gradient as the optimizers see it: the mean of the members' gradients.
 DSYNC_HD float RoundMean(float sum, const OptimizerScalars& s) { return sum / s.count; }
 

@@ -30,13 +30,67 @@ inline Status CheckRoundWeights(size_t gradients, size_t weights) {
                gradients, weights);
 }
 
+// Delay compensation keeps at most this many versions of a slice (StalenessPolicy's cap).
+constexpr size_t kMaxKeptVersions = StalenessPolicy::kMaxCompensationDepth;
+
+// Delay compensation for one ApplyRound (the staleness policy's dc:L,D;
+// ps/optimizer_math.h Compensate). The store keeps, per slice, the parameters as they were
+// before each of the last `depth` rounds that changed them, and corrects a gradient computed
+// on version b with the parameters before the first kept round >= b changed them: exactly
+// version b when the slice kept that far back, the oldest kept otherwise. A gradient of a
+// version the slice has not changed since (every fresh one) is left as it is.
+struct Compensation {
+  float lambda = 0.0f;   // L; 0 with depth 0: nothing kept, nothing corrected
+  uint32_t depth = 0;    // versions each slice keeps; 0: none (a store drops what it kept)
+  uint64_t round = 0;    // the round applied: the slice is at version `round` before it
+  std::span<const uint64_t> bases;  // empty, or each gradient's base version (<= round)
+  // DC-ASGD's adaptive form: L / sqrt(ms) (ps/optimizer_math.h MeanSquareStep), ms kept per
+  // element beside the versions (with depth 0, dropped too).
+  bool adaptive = false;
+};
+
+// What ApplyRound refuses of a compensation.
+inline Status CheckCompensation(size_t gradients, const Compensation& c) {
+  // Nothing kept: nothing to correct toward, whatever the factor.
+  if (c.depth == 0 && c.bases.empty()) return Status::Ok();
+  if (c.depth > kMaxKeptVersions || !(c.lambda >= 0.0f)) {
+    return Error(StatusCode::kInvalidArgument,
+                 "delay compensation keeping {} version(s) with factor {} (at most {}, a "
+                 "factor >= 0)",
+                 c.depth, c.lambda, kMaxKeptVersions);
+  }
+  if (c.bases.size() != gradients && (c.lambda != 0.0f || !c.bases.empty())) {
+    return Error(StatusCode::kInvalidArgument, "a round of {} gradient(s) came with {} base(s)",
+                 gradients, c.bases.size());
+  }
+  for (uint64_t b : c.bases) {
+    if (b > c.round) {
+      return Error(StatusCode::kInvalidArgument,
+                   "a gradient of version {} in round {}: no gradient is newer than its round", b,
+                   c.round);
+    }
+  }
+  return Status::Ok();
+}
+
+// A slice's parameters as they were before round `round` changed them (delay compensation).
+struct KeptVersion {
+  uint64_t round = 0;
+  std::vector<float> params;
+  bool operator==(const KeptVersion&) const = default;
+};
+
 // A slice's whole state, for checkpoints: its parameters, the optimizer state arrays it has
 // (momentum: buf; adam and adamw: m, v; none before the first round that needs them), each
-// as many floats as the parameters, and the number of updates applied (adam's t).
+// as many floats as the parameters, the number of updates applied (adam's t), the versions it
+// keeps for delay compensation, oldest first, and the adaptive form's running mean square of
+// its gradients (empty where none is kept).
 struct SliceSnapshot {
   std::vector<float> params;
   std::vector<std::vector<float>> state;
   uint64_t steps = 0;
+  std::vector<KeptVersion> kept;
+  std::vector<float> mean_square;
 };
 
 // Optimizers keep at most this many state arrays per slice (adam's m and v).
@@ -62,6 +116,27 @@ inline Status CheckSnapshot(SliceKey key, const SliceSnapshot& in) {
                    "snapshot of tensor {} slice {}: optimizer state array {} holds {} floats, the "
                    "parameters {}",
                    tensor, index, i, in.state[i].size(), in.params.size());
+    }
+  }
+  if (!in.mean_square.empty() && in.mean_square.size() != in.params.size()) {
+    return Error(StatusCode::kInvalidArgument,
+                 "snapshot of tensor {} slice {}: its mean square holds {} floats, the "
+                 "parameters {}",
+                 tensor, index, in.mean_square.size(), in.params.size());
+  }
+  if (in.kept.size() > kMaxKeptVersions) {
+    return Error(StatusCode::kInvalidArgument,
+                 "snapshot of tensor {} slice {} keeps {} versions; at most {} are kept", tensor,
+                 index, in.kept.size(), kMaxKeptVersions);
+  }
+  for (size_t i = 0; i < in.kept.size(); ++i) {
+    if (in.kept[i].params.size() != in.params.size() ||
+        (i > 0 && in.kept[i].round <= in.kept[i - 1].round)) {
+      return Error(StatusCode::kInvalidArgument,
+                   "snapshot of tensor {} slice {}: kept version {} (round {}) holds {} floats, "
+                   "the parameters {}; kept versions go oldest first, one per round",
+                   tensor, index, i, in.kept[i].round, in.kept[i].params.size(),
+                   in.params.size());
     }
   }
   return Status::Ok();
@@ -95,13 +170,20 @@ class ParamStore {
   // is not empty (one per gradient: the staleness policy's; ps/optimizer_math.h WeighFirst,
   // AddWeighed), then the optimizer updates the parameters with that sum (`sum`) or with the
   // sum divided by grads.size() (the others). No gradients: nothing changes.
+  // With a compensation (see Compensation), each stale gradient is corrected before it is
+  // weighed, and the parameters before the round are kept.
   virtual Status ApplyRound(SliceKey key, std::span<const float* const> grads,
-                            std::span<const float> weights,
+                            std::span<const float> weights, const Compensation& compensation,
                             const OptimizerConfig& optimizer) = 0;
+  // No compensation (a slice that kept versions drops them).
+  Status ApplyRound(SliceKey key, std::span<const float* const> grads,
+                    std::span<const float> weights, const OptimizerConfig& optimizer) {
+    return ApplyRound(key, grads, weights, Compensation{}, optimizer);
+  }
   // Every gradient weighing 1.
   Status ApplyRound(SliceKey key, std::span<const float* const> grads,
                     const OptimizerConfig& optimizer) {
-    return ApplyRound(key, grads, {}, optimizer);
+    return ApplyRound(key, grads, {}, Compensation{}, optimizer);
   }
 
   // Copies the slice's parameters into `out` (SliceElements(key) floats of host memory, or of
@@ -112,7 +194,8 @@ class ParamStore {
   // optimizer state and update count into `out` (its vectors are resized). Restore creates a
   // slice from a snapshot, as InitSlice does, with that state and count: the next ApplyRound
   // continues exactly where the snapshot's slice left off. A snapshot with more state arrays
-  // than any optimizer has, or arrays of another length than the parameters, is refused.
+  // than any optimizer has, or arrays of another length than the parameters, is refused. The
+  // kept versions travel too, so that delay compensation goes on as it would have.
   virtual Status Snapshot(SliceKey key, SliceSnapshot& out) const = 0;
   virtual Status Restore(SliceKey key, const SliceSnapshot& in) = 0;
 };

@@ -991,6 +991,7 @@ class ServerNode final : public Server, public TransportHandler {
   struct RoundScratch {
     std::vector<const float*> grads;  // one slice's gradients, in member order
     std::vector<float> weights;       // their weights (empty: all 1)
+    std::vector<uint64_t> bases;      // their base versions (delay compensation only)
     std::vector<float> member_weights;
     std::vector<size_t> used;         // staged entries the round consumed
   };
@@ -1090,17 +1091,27 @@ class ServerNode final : public Server, public TransportHandler {
     DSYNC_RETURN_IF_ERROR(CheckRoundStaged(r));
     std::vector<const float*>& grads = scratch.grads;
     std::vector<float>& weights = scratch.weights;
+    std::vector<uint64_t>& bases = scratch.bases;
     std::vector<size_t>& used = scratch.used;
+    // Delay compensation: every slice keeps the same versions on every server (a job's depth
+    // is fixed, and snapshots carry what was kept), so copies stay alike.
+    Compensation comp;
+    comp.depth = job_.staleness.CompensationDepth(job_.sync);
+    comp.lambda = comp.depth > 0 ? job_.staleness.compensation : 0.0f;  // bsp: never stale
+    comp.adaptive = job_.staleness.adaptive;
+    comp.round = r.round;
     const std::vector<float>& member_weights = scratch.member_weights;
     MemberWeights(r, scratch.member_weights);
     // Payload: the round's number, shown on the timeline (0 is shown as no payload).
     trace::Scoped range(trace::Range::kServerRound, r.round);
     std::shared_lock lock(slices_mu_);
     uint64_t strays = 0;
+    Status failed = Status::Ok();
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);
       grads.clear();
       weights.clear();
+      bases.clear();
       used.clear();
       for (size_t m = 0; m < r.members.size(); ++m) {  // worker-id order: deterministic sums
         const RoundEntry& e = r.members[m];
@@ -1111,6 +1122,7 @@ class ServerNode final : public Server, public TransportHandler {
             if (applies) {
               grads.push_back(s->staged[i].data);
               if (!member_weights.empty()) weights.push_back(member_weights[m]);
+              if (comp.depth > 0) bases.push_back(e.member.base);
             }
             strays += applies ? 0 : 1;
             used.push_back(i);
@@ -1120,9 +1132,13 @@ class ServerNode final : public Server, public TransportHandler {
       }
       OptimizerConfig opt = s->optimizer;
       if (r.lr) opt.lr = *r.lr;
-      Status st = store_->ApplyRound(s->key, grads, weights, opt);
-      if (!st.ok()) {
-        spdlog::error("server {}: applying round {}: {}", id_.load(), r.round, st.message());
+      comp.bases = bases;
+      Status st = store_->ApplyRound(s->key, grads, weights, comp, opt);
+      if (!st.ok() && failed.ok()) {
+        // The slice would fall behind its copies and every later round: the round fails
+        // (ApplyLoop stops the job, naming it) once the rest are released as usual.
+        failed = st.WithContext(fmt::format("applying round {} to tensor {} slice {}", r.round,
+                                            s->tensor, s->index));
       }
       std::sort(used.begin(), used.end());
       for (size_t k = used.size(); k-- > 0;) {
@@ -1143,7 +1159,7 @@ class ServerNode final : public Server, public TransportHandler {
                    "pushed but did not commit",
                    id_.load(), r.round, strays);
     }
-    return Status::Ok();
+    return failed;
   }
 
   // Every slice here, with its optimizer state, at `version` (the apply thread's: no round
@@ -1257,7 +1273,8 @@ class ServerNode final : public Server, public TransportHandler {
         CheckpointSlice cs;
         st = SnapshotSlice(*s, cs);
         if (!st.ok()) break;
-        chunk_bytes += (cs.snapshot.params.size() * (1 + cs.snapshot.state.size())) * sizeof(float);
+        chunk_bytes += cs.snapshot.params.size() *
+                       (1 + cs.snapshot.state.size() + cs.snapshot.kept.size()) * sizeof(float);
         chunk.slices.push_back(std::move(cs));
         ++sent;
         if (chunk_bytes >= kCopyChunkBytes) {
