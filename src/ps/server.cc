@@ -1134,11 +1134,17 @@ class ServerNode final : public Server, public TransportHandler {
       if (r.lr) opt.lr = *r.lr;
       comp.bases = bases;
       Status st = store_->ApplyRound(s->key, grads, weights, comp, opt);
-      if (!st.ok() && failed.ok()) {
+      if (!st.ok()) {
         // The slice would fall behind its copies and every later round: the round fails
-        // (ApplyLoop stops the job, naming it) once the rest are released as usual.
-        failed = st.WithContext(fmt::format("applying round {} to tensor {} slice {}", r.round,
-                                            s->tensor, s->index));
+        // (ApplyLoop stops the job, naming the first) once the rest are released as usual.
+        // The slice keeps its version, so no pull is answered with a model it does not hold.
+        st = st.WithContext(fmt::format("applying round {} to tensor {} slice {}", r.round,
+                                        s->tensor, s->index));
+        if (failed.ok()) {
+          failed = st;
+        } else {
+          spdlog::error("server {}: {}", id_.load(), st.message());
+        }
       }
       std::sort(used.begin(), used.end());
       for (size_t k = used.size(); k-- > 0;) {
@@ -1146,6 +1152,7 @@ class ServerNode final : public Server, public TransportHandler {
         s->staged.erase(s->staged.begin() + static_cast<std::ptrdiff_t>(used[k]));
         --stats_.staged_now;
       }
+      if (!st.ok()) continue;
       s->version = r.round + 1;
       std::erase_if(s->waiting, [&](const WaitingPull& p) {
         if (p.min_version > s->version) return false;
@@ -1273,8 +1280,10 @@ class ServerNode final : public Server, public TransportHandler {
         CheckpointSlice cs;
         st = SnapshotSlice(*s, cs);
         if (!st.ok()) break;
-        chunk_bytes += cs.snapshot.params.size() *
-                       (1 + cs.snapshot.state.size() + cs.snapshot.kept.size()) * sizeof(float);
+        chunk_bytes += (cs.snapshot.params.size() *
+                            (1 + cs.snapshot.state.size() + cs.snapshot.kept.size()) +
+                        cs.snapshot.mean_square.size()) *
+                       sizeof(float);
         chunk.slices.push_back(std::move(cs));
         ++sent;
         if (chunk_bytes >= kCopyChunkBytes) {
