@@ -187,6 +187,16 @@ class ServerNode final : public Server, public TransportHandler {
         break;
       }
     }
+    if (!result_.ok() && error_sent_ && !shutdown_ && !stop_) {
+      const bool answered = cv_.wait_for(lock, std::chrono::seconds(kErrorLingerSeconds), [&] {
+        return shutdown_ || stop_ || scheduler_gone_ || !error_sent_;
+      });
+      if (!answered) {
+        spdlog::warn("server {}: the scheduler did not end the job within {} s of this server's "
+                     "error; stopping",
+                     id_.load(), kErrorLingerSeconds);
+      }
+    }
     Status result = result_;
     stop_ = true;
     cv_.notify_all();
@@ -260,6 +270,7 @@ class ServerNode final : public Server, public TransportHandler {
     }
     if (peer == scheduler_) {
       std::lock_guard lock(mu_);
+      scheduler_gone_ = true;
       if (draining_) {
         stop_ = true;  // stopping anyway: the scheduler stopped first
       } else if (!shutdown_ && !stop_ && !evicted_ && result_.ok() && welcomed_ &&
@@ -1038,9 +1049,16 @@ class ServerNode final : public Server, public TransportHandler {
         spdlog::error("{}", st.message());
         FrameHeader about = MakeHeader(MsgType::kRound, id_);
         about.set_round(r.round);
-        (void)SendError(*transport_, scheduler_, id_, st, about);
+        {
+          // First: the disconnect the error leads to must not replace it, and Run waits for
+          // the scheduler's answer while it is being sent.
+          std::lock_guard lock(mu_);
+          result_ = st;
+          error_sent_ = true;
+        }
+        const bool sent = SendError(*transport_, scheduler_, id_, st, about).ok();
         std::lock_guard lock(mu_);
-        result_ = st;
+        error_sent_ = sent;
         cv_.notify_all();
         return;
       }
@@ -1437,7 +1455,7 @@ class ServerNode final : public Server, public TransportHandler {
                                           ServerRank(id_)));
     spdlog::error("{}", result_.message());
     FrameHeader about = MakeHeader(MsgType::kCopy, id_);
-    (void)SendError(*transport_, scheduler_, id_, result_, about);
+    error_sent_ = SendError(*transport_, scheduler_, id_, result_, about).ok();
     cv_.notify_all();
   }
 
@@ -1620,6 +1638,12 @@ class ServerNode final : public Server, public TransportHandler {
   bool stop_ = false;
   bool draining_ = false;  // asked to stop; the scheduler may still want a checkpoint
   bool evicted_ = false;   // the scheduler declared this server lost: the job goes on without it
+  bool error_sent_ = false;      // result_ went to the scheduler as an error frame
+  bool scheduler_gone_ = false;  // its connection closed
+  // A server stopping on an error it sent waits this long for the scheduler to end the job
+  // (or drop it) before closing: closing at once can reach the scheduler as a plain
+  // disconnect ahead of the error, which then names no cause.
+  static constexpr uint32_t kErrorLingerSeconds = 5;
   std::chrono::steady_clock::time_point drain_deadline_;
   // Beyond the scheduler's wait: its shutdown frame has time to arrive.
   static constexpr uint32_t kDrainMarginSeconds = 5;
