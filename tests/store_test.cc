@@ -556,7 +556,9 @@ Status ApplyRounds(ParamStore& store, SliceKey key, size_t n, const OptimizerCon
 }
 
 bool SameFloats(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  // memcmp may not be handed the null data() of an empty vector, even for no bytes.
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 // A checkpoint resumes exactly: a slice restored from a snapshot, in the same store or in a
