@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "cluster_harness.h"
+#include "forwarding_store.h"
 #include "cpu/cpu_store.h"
 #include "dsync/scheduler.h"
 #include "ps/server_node.h"
@@ -80,37 +81,15 @@ class FakeDeviceMemory final : public ps::DeviceMemory {
 
 // The CPU store with fake device memory: it computes on host memory, so "device" payloads
 // are read like any other.
-class FakeGpuStore final : public ps::ParamStore {
+class FakeGpuStore final : public testing::ForwardingStore {
  public:
-  explicit FakeGpuStore(FakeDeviceMemory* memory)
-      : cpu_(cpu::MakeCpuStore()), memory_(memory) {}
+  explicit FakeGpuStore(FakeDeviceMemory* memory) : memory_(memory) {}
   std::string_view name() const override { return "fake-gpu"; }
-  void* AllocateHost(size_t bytes) override { return cpu_->AllocateHost(bytes); }
-  void FreeHost(void* p, size_t bytes) override { cpu_->FreeHost(p, bytes); }
   void* AllocateDevice(size_t bytes) override { return memory_->Allocate(bytes); }
   void FreeDevice(void* p, size_t) override { memory_->Free(p); }
   const ps::DeviceMemory* device_memory() const override { return memory_; }
-  Status InitSlice(ps::SliceKey k, std::span<const float> init) override {
-    return cpu_->InitSlice(k, init);
-  }
-  bool HasSlice(ps::SliceKey k) const override { return cpu_->HasSlice(k); }
-  uint64_t SliceElements(ps::SliceKey k) const override { return cpu_->SliceElements(k); }
-  using ps::ParamStore::ApplyRound;
-  Status ApplyRound(ps::SliceKey k, std::span<const float* const> grads,
-                    std::span<const float> weights, const ps::Compensation& comp,
-                    const OptimizerConfig& opt) override {
-    return cpu_->ApplyRound(k, grads, weights, comp, opt);
-  }
-  Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
-  Status Snapshot(ps::SliceKey k, ps::SliceSnapshot& out) const override {
-    return cpu_->Snapshot(k, out);
-  }
-  Status Restore(ps::SliceKey k, const ps::SliceSnapshot& in) override {
-    return cpu_->Restore(k, in);
-  }
 
  private:
-  std::unique_ptr<ps::ParamStore> cpu_;
   FakeDeviceMemory* memory_;
 };
 

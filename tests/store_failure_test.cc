@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "cluster_harness.h"
-#include "cpu/cpu_store.h"
+#include "forwarding_store.h"
 #include "dsync/scheduler.h"
 #include "ps/server_node.h"
 #include "tcp/tcp_transport.h"
@@ -24,17 +24,10 @@ using testing::TestConfig;
 constexpr uint64_t kFailingRound = 3;
 
 // The CPU store, failing every round from kFailingRound on for tensor 1 (tensor 0 goes on).
-class FailingStore final : public ps::ParamStore {
+class FailingStore final : public testing::ForwardingStore {
  public:
   std::string_view name() const override { return "failing"; }
-  void* AllocateHost(size_t bytes) override { return cpu_->AllocateHost(bytes); }
-  void FreeHost(void* p, size_t bytes) override { cpu_->FreeHost(p, bytes); }
-  Status InitSlice(ps::SliceKey k, std::span<const float> init) override {
-    return cpu_->InitSlice(k, init);
-  }
-  bool HasSlice(ps::SliceKey k) const override { return cpu_->HasSlice(k); }
-  uint64_t SliceElements(ps::SliceKey k) const override { return cpu_->SliceElements(k); }
-  using ps::ParamStore::ApplyRound;
+  using ForwardingStore::ApplyRound;
   Status ApplyRound(ps::SliceKey k, std::span<const float* const> grads,
                     std::span<const float> weights, const ps::Compensation& comp,
                     const OptimizerConfig& opt) override {
@@ -43,16 +36,6 @@ class FailingStore final : public ps::ParamStore {
     }
     return cpu_->ApplyRound(k, grads, weights, comp, opt);
   }
-  Status Read(ps::SliceKey k, std::span<float> out) const override { return cpu_->Read(k, out); }
-  Status Snapshot(ps::SliceKey k, ps::SliceSnapshot& out) const override {
-    return cpu_->Snapshot(k, out);
-  }
-  Status Restore(ps::SliceKey k, const ps::SliceSnapshot& in) override {
-    return cpu_->Restore(k, in);
-  }
-
- private:
-  std::unique_ptr<ps::ParamStore> cpu_ = cpu::MakeCpuStore();
 };
 
 TEST(StoreFailure, ARoundTheStoreCannotApplyEndsTheJobNamingTheRoundAndSlice) {
