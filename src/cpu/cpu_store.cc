@@ -92,13 +92,7 @@ class CpuStore final : public ps::ParamStore {
         if (!s->state[i]) return Error(StatusCode::kUnavailable, "out of host memory for optimizer state");
       }
     }
-    // Every row is looked up before the round's own is taken, which may be one of them.
-    bool corrects = false;
-    s->rows_of.assign(grads.size(), -1);
-    for (size_t k = 0; k < comp.bases.size() && comp.lambda != 0.0f; ++k) {
-      s->rows_of[k] = s->ring.RowFor(comp.bases[k]);
-      corrects = corrects || s->rows_of[k] >= 0;
-    }
+    const bool corrects = s->ring.RowsFor(comp, grads.size(), s->rows_of);
     const int32_t keep = s->ring.RowToKeep();
     s->ring.Kept(keep, comp.round);  // nothing below fails
     ++s->steps;

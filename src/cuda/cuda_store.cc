@@ -153,12 +153,7 @@ class CudaStore final : public ps::ParamStore {
       }
     }
     // Every row is looked up before the round's own is taken, which may be one of them.
-    bool corrects = false;
-    s->rows_of.assign(grads.size(), -1);
-    for (size_t k = 0; k < comp.bases.size() && comp.lambda != 0.0f; ++k) {
-      s->rows_of[k] = s->ring.RowFor(comp.bases[k]);
-      corrects = corrects || s->rows_of[k] >= 0;
-    }
+    const bool corrects = s->ring.RowsFor(comp, grads.size(), s->rows_of);
     KernelCompensation kc;
     if (s->ring.depth() > 0) {
       kc.kept = s->kept.get();

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "ps/param_store.h"
+
 namespace dsync::ps {
 
 class VersionRing {
@@ -28,6 +30,19 @@ class VersionRing {
       }
     }
     return best;
+  }
+
+  // Each of a round's `gradients` gradients' row under `comp` (RowFor of its base; -1 where
+  // it is not corrected: fresh, or no factor) into `rows`; true when any gradient is. Before
+  // RowToKeep's row is written: the round's own row may be one of these.
+  bool RowsFor(const Compensation& comp, size_t gradients, std::vector<int32_t>& rows) const {
+    bool corrects = false;
+    rows.assign(gradients, -1);
+    for (size_t k = 0; k < comp.bases.size() && comp.lambda != 0.0f; ++k) {
+      rows[k] = RowFor(comp.bases[k]);
+      corrects = corrects || rows[k] >= 0;
+    }
+    return corrects;
   }
 
   // The row the parameters before the next round go into: a free one, or the oldest kept's.
