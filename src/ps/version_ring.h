@@ -14,7 +14,6 @@ namespace dsync::ps {
 class VersionRing {
  public:
   uint32_t depth() const { return static_cast<uint32_t>(rounds_.size()); }
-  bool empty() const { return kept_ == 0; }
 
   // The row holding the parameters a gradient computed on version `base` is corrected
   // toward: the parameters before the first kept round >= base changed them (rounds in
@@ -62,7 +61,6 @@ class VersionRing {
   // store wrote it, after every RowFor of the round.
   void Kept(int32_t row, uint64_t round) {
     if (row < 0 || static_cast<uint32_t>(row) >= depth()) return;
-    if (!used_[static_cast<uint32_t>(row)]) ++kept_;
     used_[static_cast<uint32_t>(row)] = true;
     rounds_[static_cast<uint32_t>(row)] = round;
   }
@@ -90,18 +88,15 @@ class VersionRing {
   void Assign(uint32_t depth, const std::vector<uint64_t>& rounds) {
     rounds_.assign(depth, 0);
     used_.assign(depth, false);
-    kept_ = 0;
     for (size_t i = 0; i < rounds.size() && i < depth; ++i) {
       rounds_[i] = rounds[i];
       used_[i] = true;
-      ++kept_;
     }
   }
 
  private:
   std::vector<uint64_t> rounds_;  // per row: the round whose "before" it holds
   std::vector<bool> used_;
-  uint32_t kept_ = 0;
 };
 
 }  // namespace dsync::ps
