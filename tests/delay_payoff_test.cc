@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <vector>
 
 namespace dsync::ps {
@@ -26,11 +27,22 @@ AutoDecision DelayLast(int workers) {
 
 bool Delays(const AutoDecision& d) { return d.quorum != SyncMode::kAll; }
 
+// Judged by rounds alone: most tests here close rounds of 5 to 30 ms, whose windows span less
+// than the default min_seconds; the time minimum has tests of its own.
+DelayPayoffOptions ByRounds() {
+  DelayPayoffOptions o;
+  o.min_seconds = 0;
+  return o;
+}
+
 // Closes rounds one after the other, `seconds` apart, each with `fresh` gradients computed on
 // the version before it and, every `stale_every` rounds, one more `staleness` rounds old.
+// With `Agree(x)`, two servers report every round that has both: each fresh gradient agrees
+// 0.5 with the others, each stale one x * 0.5 (worth x of a fresh one).
 class Job {
  public:
   explicit Job(DelayPayoff& payoff) : payoff_(payoff) {}
+  void Agree(double worth) { worth_ = worth; }
   void Rounds(int n, double seconds, int fresh, int stale_every = 0, uint32_t staleness = 0) {
     for (int i = 0; i < n; ++i) {
       RoundRecord r;
@@ -41,13 +53,28 @@ class Job {
       }
       now_ += seconds;
       payoff_.RoundClosed(now_, r);
+      Report(r);
       ++next_;
     }
   }
   uint64_t round() const { return next_; }
 
  private:
+  void Report(const RoundRecord& r) {
+    if (!worth_) return;
+    std::vector<double> dots;
+    std::vector<uint8_t> measured(r.members.size(), 1);
+    bool stale = false;
+    for (const RoundMember& m : r.members) {
+      stale = stale || m.base != r.round;
+      dots.push_back(m.base == r.round ? 0.5 : 0.5 * *worth_);
+    }
+    if (!stale || r.members.size() < 2) return;
+    for (int server = 0; server < 2; ++server) payoff_.Measured(r, dots, measured, 0.5);
+  }
+
   DelayPayoff& payoff_;
+  std::optional<double> worth_;
   Round next_ = 0;
   double now_ = 100.0;
 };
@@ -62,7 +89,7 @@ void StartTrial(DelayPayoff& payoff, Job& job, double seconds) {
 }
 
 TEST(DelayPayoff, WithoutAStragglerNothingIsDelayed) {
-  DelayPayoff payoff({});
+  DelayPayoff payoff(ByRounds());
   Job job(payoff);
   for (int i = 0; i < 50; ++i) {
     EXPECT_FALSE(Delays(payoff.Gate(Bsp(4))));
@@ -73,7 +100,7 @@ TEST(DelayPayoff, WithoutAStragglerNothingIsDelayed) {
 }
 
 TEST(DelayPayoff, BspsPaceIsMeasuredBeforeTheFirstTrial) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   job.Rounds(3, 0.03, 4);
@@ -85,7 +112,8 @@ TEST(DelayPayoff, BspsPaceIsMeasuredBeforeTheFirstTrial) {
   // where the measurement starts, then min_baseline_rounds rounds are measured.
   job.Rounds(o.min_baseline_rounds, 0.03, 4);
   EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
-  EXPECT_NE(payoff.reason().find("(9 of 10 rounds)"), std::string::npos) << payoff.reason();
+  EXPECT_NE(payoff.reason().find("(9 of 10 rounds, 0.27 of 0.00 s)"), std::string::npos)
+      << payoff.reason();
   job.Rounds(1, 0.03, 4);
   EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
@@ -94,7 +122,7 @@ TEST(DelayPayoff, BspsPaceIsMeasuredBeforeTheFirstTrial) {
 }
 
 TEST(DelayPayoff, AStragglersDelayPaysAndIsKept) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   // bsp: every round waits for the 3x slower worker, 30 ms.
@@ -111,7 +139,7 @@ TEST(DelayPayoff, AStragglersDelayPaysAndIsKept) {
 }
 
 TEST(DelayPayoff, ADelayThatDoesNotPayIsGivenUpAndRetriedEverMoreRarely) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
@@ -147,7 +175,7 @@ TEST(DelayPayoff, ADelayThatDoesNotPayIsGivenUpAndRetriedEverMoreRarely) {
 }
 
 TEST(DelayPayoff, AFailedTrialSaysWhatItMeasured) {
-  DelayPayoff payoff({});
+  DelayPayoff payoff(ByRounds());
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
   job.Rounds(30, 0.0075, 3);  // 400 gradients/s: 1.00x
@@ -159,7 +187,7 @@ TEST(DelayPayoff, AFailedTrialSaysWhatItMeasured) {
 }
 
 TEST(DelayPayoff, StaleGradientsCountForLess) {
-  DelayPayoff payoff({});
+  DelayPayoff payoff(ByRounds());
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
   // Twice the rounds per second, but every round carries one fresh gradient and one 3 rounds
@@ -182,7 +210,7 @@ void ExpectAJoinMeasuresBspAgainAndTriesAgain(DelayPayoff& payoff, Job& job,
 }
 
 TEST(DelayPayoff, AJoinDuringATrialMeasuresBspAgain) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
@@ -191,7 +219,7 @@ TEST(DelayPayoff, AJoinDuringATrialMeasuresBspAgain) {
 }
 
 TEST(DelayPayoff, AJoinWhileDelayingMeasuresBspAgain) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.030);
@@ -202,7 +230,7 @@ TEST(DelayPayoff, AJoinWhileDelayingMeasuresBspAgain) {
 }
 
 TEST(DelayPayoff, ADelayKeptIsStillCheckedAndGivenUpOnceItNoLongerPays) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.030);  // bsp held by the straggler: 133 gradients/s
@@ -233,7 +261,7 @@ TEST(DelayPayoff, ADelayKeptIsStillCheckedAndGivenUpOnceItNoLongerPays) {
 }
 
 TEST(DelayPayoff, ATrialCutShortByNoiseCountsAsFailed) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
@@ -256,7 +284,7 @@ TEST(DelayPayoff, ATrialCutShortByNoiseCountsAsFailed) {
 }
 
 TEST(DelayPayoff, ATrialThatRanItsCourseIsNotCountedAsCutShort) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
@@ -274,7 +302,7 @@ TEST(DelayPayoff, ATrialThatRanItsCourseIsNotCountedAsCutShort) {
 // A worker turns 3x slower in the middle of a job: its first trial is measured against bsp
 // with it (30 ms rounds), not against the 10 ms rounds before, and passes.
 TEST(DelayPayoff, AStragglerThatAppearsMidJobPassesItsFirstTrial) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   for (int i = 0; i < 100; ++i) {
@@ -298,7 +326,7 @@ TEST(DelayPayoff, AStragglerThatAppearsMidJobPassesItsFirstTrial) {
 }
 
 TEST(DelayPayoff, AMembershipChangeForgetsTheBackoff) {
-  DelayPayoffOptions o;
+  DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
   StartTrial(payoff, job, 0.010);
@@ -314,12 +342,164 @@ TEST(DelayPayoff, AMembershipChangeForgetsTheBackoff) {
 }
 
 TEST(DelayPayoff, AStragglerThatRecoversEndsTheDelayAtOnce) {
-  DelayPayoff payoff({});
+  DelayPayoff payoff(ByRounds());
   Job job(payoff);
   StartTrial(payoff, job, 0.030);
   job.Rounds(5, 0.010, 3);
   EXPECT_FALSE(Delays(payoff.Gate(Bsp(4))));
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+}
+
+// The time minimum: rounds of 5 ms, 20 of which (0.1 s) would be timed with much noise on
+// shared cores, are measured over min_seconds: bsp's pace first, then the trial.
+TEST(DelayPayoff, PacesAreMeasuredOverMinSecondsAtLeast) {
+  DelayPayoffOptions o;
+  ASSERT_EQ(o.min_seconds, 1.0);
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  job.Rounds(199, 0.005, 4);  // 0.99 s of bsp after the round that marks the start
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("(198 of 10 rounds, 0.99 of 1.00 s)"), std::string::npos)
+      << payoff.reason();
+  job.Rounds(3, 0.005, 4);
+  ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("trying it for 20 rounds and 1.00 s at least against bsp's "
+                                 "800 gradients/s"),
+            std::string::npos)
+      << payoff.reason();
+  // Twice the rounds, 3 fresh gradients each: 1.5x. Judged only once a second has passed.
+  for (int i = 0; i < 150; ++i) {
+    job.Rounds(1, 0.0025, 3);
+    ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+    ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial) << "round " << job.round();
+  }
+  for (int i = 0; i < 300 && payoff.phase() == DelayPayoff::Phase::kTrial; ++i) {
+    job.Rounds(1, 0.0025, 3);
+    ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  }
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+  EXPECT_NE(payoff.reason().find("1.50x bsp's 800"), std::string::npos) << payoff.reason();
+}
+
+// A straggler whose slowness comes and goes faster than bsp's pace can be measured never
+// gets a trial: the job stays bsp, and says it is measuring.
+TEST(DelayPayoff, AFlappingStragglerIsNeverTried) {
+  DelayPayoff payoff({});
+  Job job(payoff);
+  for (int i = 0; i < 2000; ++i) {
+    job.Rounds(1, 0.005, 4);
+    ASSERT_FALSE(Delays(payoff.Gate((i / 50) % 2 ? Bsp(4) : DelayLast(4)))) << i;
+  }
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+  (void)payoff.Gate(DelayLast(4));
+  EXPECT_NE(payoff.reason().find("measuring bsp's pace"), std::string::npos) << payoff.reason();
+}
+
+// The straggler's gradients agree with the fresh ones as well as fresh ones do (its delay
+// costs nothing). Against bsp's 4 gradients per 12.5 ms (320/s), rounds of 9 ms with 3 fresh
+// gradients and the straggler's, 3 rounds stale, every third round give 3.33 per 9 ms at its
+// measured worth of 1 (1.16x: it pays), 3.08 per 9 ms at 1/(1+s) (1.07x: it would not).
+// The trial lasts 90 rounds: 30 with a stale gradient, enough to measure its worth.
+TEST(DelayPayoff, AStragglerWhoseGradientsCostNothingPasses) {
+  for (const bool measured : {false, true}) {
+    DelayPayoffOptions o = ByRounds();
+    o.measure_rounds = 90;
+    DelayPayoff payoff(o);
+    Job job(payoff);
+    if (measured) job.Agree(1.0);
+    StartTrial(payoff, job, 0.0125);
+    for (int i = 0; i < 150 && payoff.phase() == DelayPayoff::Phase::kTrial; ++i) {
+      job.Rounds(1, 0.009, 3, 3, 3);
+      (void)payoff.Gate(DelayLast(4));
+    }
+    if (measured) {
+      EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying) << payoff.reason();
+      EXPECT_NE(payoff.reason().find("gradients/s (stale ones worth 1.00 at staleness 3 "
+                                     "(measured over 29 rounds)), 1.16x bsp's 320"),
+                std::string::npos)
+          << payoff.reason();
+      EXPECT_TRUE(payoff.worth().Measured(3));
+      EXPECT_DOUBLE_EQ(payoff.worth().Worth(3), 1.0);
+    } else {
+      EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp) << payoff.reason();
+      EXPECT_NE(payoff.reason().find("gradients/s (stale ones worth 0.25 at staleness 3 (not "
+                                     "measured yet)), 1.07x bsp's 320"),
+                std::string::npos)
+          << payoff.reason();
+    }
+  }
+}
+
+// The straggler's gradients point against where the model goes (worth -0.5): a delay that
+// the 1/(1+s) discount would keep (2x the rounds, 1.2x bsp's pace with a quarter each) is
+// given up, and the reason says what they were measured to be worth.
+TEST(DelayPayoff, AStragglerWhoseGradientsCostEverythingFails) {
+  for (const bool measured : {false, true}) {
+    DelayPayoff payoff(ByRounds());
+    Job job(payoff);
+    if (measured) job.Agree(-0.5);
+    StartTrial(payoff, job, 0.010);
+    // 2 fresh per 5 ms and a stale one in every round: 2 x (2 + w) per 10 ms against 4.
+    for (int i = 0; i < 60 && payoff.phase() != DelayPayoff::Phase::kBsp; ++i) {
+      job.Rounds(1, 0.005, 2, 1, 3);
+      (void)payoff.Gate(DelayLast(4));
+    }
+    if (!measured) {
+      EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying) << payoff.reason();
+      continue;
+    }
+    // The trial may end before 24 rounds of reports (then at 1/(1+s), it passes), but the
+    // delay is given up once they are in.
+    EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+    EXPECT_NE(payoff.reason().find("back to bsp: delaying"), std::string::npos)
+        << payoff.reason();
+    EXPECT_NE(payoff.reason().find("300 gradients/s (stale ones worth -0.50 at staleness 3 "
+                                   "(measured over"),
+              std::string::npos)
+        << payoff.reason();
+  }
+}
+
+// A delay kept while the straggler's gradients were worth much is given up once they are
+// measured to be worth little: the worth is measured all along, not only in the trial.
+TEST(DelayPayoff, ADelayKeptIsGivenUpOnceStaleGradientsStopPaying) {
+  DelayPayoff payoff(ByRounds());
+  Job job(payoff);
+  job.Agree(1.0);
+  StartTrial(payoff, job, 0.010);
+  // 2 fresh and 1 stale per 5 ms: 600 gradients/s at worth 1, against bsp's 400.
+  for (int i = 0; i < 60; ++i) {
+    job.Rounds(1, 0.005, 2, 1, 3);
+    ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4)))) << payoff.reason();
+  }
+  ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+  // The landscape changes (a larger learning rate, say): they are worth -1 from now on. Once
+  // the old reports have faded enough, the pace falls under bsp's and the delay ends.
+  job.Agree(-1.0);
+  int rounds = 0;
+  while (Delays(payoff.Gate(DelayLast(4)))) {
+    job.Rounds(1, 0.005, 2, 1, 3);
+    ASSERT_LE(++rounds, 1000) << payoff.reason();
+  }
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+  EXPECT_NE(payoff.reason().find("back to bsp: delaying fell to"), std::string::npos)
+      << payoff.reason();
+  EXPECT_LT(payoff.worth().Worth(3), 0.0);
+}
+
+// The staleness policy's weight scales what a stale gradient counts: under inverse, a
+// gradient 3 rounds stale is applied at a quarter, so it counts a quarter of its worth.
+TEST(DelayPayoff, ThePolicysWeightScalesTheWorth) {
+  StalenessPolicy inverse;
+  inverse.kind = StalenessKind::kInverse;
+  DelayPayoff payoff(ByRounds(), inverse);
+  Job job(payoff);
+  job.Agree(1.0);
+  StartTrial(payoff, job, 0.010);
+  for (int i = 0; i < 30; ++i) job.Rounds(1, 0.005, 1, 1, 3);  // 2 x (1 + 1/4) per 10 ms
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("gave 250 gradients/s"), std::string::npos) << payoff.reason();
 }
 
 }  // namespace

@@ -264,6 +264,57 @@ TEST(LearningRateCodec, RoundTripsAndRefusesWhatIsNotARate) {
   EXPECT_EQ(DecodeLearningRate({}).status().code(), StatusCode::kProtocol);
 }
 
+TEST(AgreementCodec, RoundTripsAndRefusesWhatIsMalformed) {
+  Agreement a;
+  a.dots = {0.25, 0.0, -3.5e-7};
+  a.measured = {1, 0, 1};
+  std::vector<std::byte> buf;
+  EncodeAgreement(a, buf);
+  EXPECT_EQ(buf.size(), 4u + 3 * 9);
+  Agreement back;
+  ASSERT_TRUE(DecodeAgreement(buf, back).ok());
+  EXPECT_EQ(back.dots, a.dots);
+  EXPECT_EQ(back.measured, a.measured);
+  // A member not measured goes out as +0.0 whatever the caller left there.
+  a.dots[1] = 42.0;
+  EncodeAgreement(a, buf);
+  ASSERT_TRUE(DecodeAgreement(buf, back).ok());
+  EXPECT_EQ(back.dots[1], 0.0);
+  EXPECT_TRUE(DecodeAgreement(std::vector<std::byte>(4, std::byte{0}), back).ok());
+  EXPECT_TRUE(back.dots.empty());
+
+  auto refused = [](std::vector<std::byte> bytes, const std::string& what) {
+    Agreement out;
+    const Status st = DecodeAgreement(bytes, out);
+    EXPECT_EQ(st.code(), StatusCode::kProtocol) << what;
+    EXPECT_NE(st.message().find(what), std::string::npos) << st.message();
+  };
+  EncodeAgreement(a, buf);
+  std::vector<std::byte> bytes = buf;
+  bytes.push_back(std::byte{0});
+  refused(bytes, "agreement metadata of 32 bytes is malformed");
+  bytes = buf;
+  bytes.pop_back();
+  refused(bytes, "malformed");
+  refused({}, "agreement metadata of 0 bytes is malformed");
+  bytes = buf;
+  bytes[0] = std::byte{0xff};  // a count far past what the bytes hold
+  bytes[1] = bytes[2] = bytes[3] = std::byte{0xff};
+  refused(bytes, "malformed");
+  bytes = buf;
+  bytes[4] = std::byte{2};  // a flag that is neither 0 nor 1
+  refused(bytes, "malformed");
+  bytes = buf;
+  bytes[4 + 9 + 8] = std::byte{0x80};  // member 1, not measured, carries -0.0
+  refused(bytes, "malformed");
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(),
+                     std::numeric_limits<double>::infinity()}) {
+    a.dots[2] = bad;
+    EncodeAgreement(a, buf);
+    refused(buf, "agreement of member 2 is");
+  }
+}
+
 TEST(Handshake, HelloAndWelcomeRoundTrip) {
   Hello h;
   h.role = Role::kServer;

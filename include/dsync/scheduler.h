@@ -23,6 +23,10 @@ struct SchedulerStats {
   uint32_t servers_restored = 0;  // new servers that took a lost rank over and hold its copies
   uint32_t max_staleness = 0;     // over every gradient placed in a round
   uint32_t policy_changes = 0;    // dsync:auto decisions that changed quorum or allowances
+  // dsync:auto: the servers' reports of how stale gradients agree with fresh ones (the
+  // measured worth of staleness), used and refused (malformed, or not fitting their round).
+  uint64_t agreements_measured = 0;
+  uint64_t agreements_refused = 0;
 };
 
 class Scheduler {

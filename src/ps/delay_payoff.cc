@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace dsync::ps {
 namespace {
@@ -21,22 +22,63 @@ AutoDecision AsBsp(const AutoDecision& d) {
 
 }  // namespace
 
-DelayPayoff::DelayPayoff(DelayPayoffOptions options)
-    : opt_(options) {
+DelayPayoff::DelayPayoff(DelayPayoffOptions options, StalenessPolicy staleness,
+                         StaleWorthOptions worth)
+    : opt_(options), staleness_(staleness), worth_(worth) {
   opt_.measure_rounds = std::max<uint32_t>(opt_.measure_rounds, 2);
   opt_.backoff_rounds = std::max<uint32_t>(opt_.backoff_rounds, 1);
   opt_.max_backoff_rounds = std::max(opt_.max_backoff_rounds, opt_.backoff_rounds);
   backoff_ = opt_.backoff_rounds;
   opt_.min_baseline_rounds = std::clamp<uint32_t>(opt_.min_baseline_rounds, 2, opt_.measure_rounds);
+  if (!(opt_.min_seconds >= 0)) opt_.min_seconds = 0;
+  opt_.max_samples = std::max(opt_.max_samples, opt_.measure_rounds + 1);
 }
 
-double DelayPayoff::Pace(const std::deque<Sample>& samples) {
-  if (samples.size() < 2) return 0;
-  const double seconds = samples.back().at - samples.front().at;
+void DelayPayoff::Window::Add(Gradients& to, const Gradients& g, double sign) {
+  to.fresh += sign * g.fresh;
+  for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
+    to.stale[level] += sign * g.stale[level];
+    to.stale_count[level] = sign > 0 ? to.stale_count[level] + g.stale_count[level]
+                                     : to.stale_count[level] - g.stale_count[level];
+  }
+}
+
+void DelayPayoff::Window::Push(const Sample& s) {
+  if (!samples_.empty()) Add(total_, s.gradients, 1.0);
+  samples_.push_back(s);
+}
+
+void DelayPayoff::Window::PopFront() {
+  if (samples_.size() >= 2) Add(total_, samples_[1].gradients, -1.0);  // the new first
+  samples_.pop_front();
+  if (samples_.size() < 2) total_ = {};  // and no drift carried on
+}
+
+void DelayPayoff::Window::Clear() {
+  samples_.clear();
+  total_ = {};
+}
+
+double DelayPayoff::Pace(const Window& w) const {
+  const double seconds = w.seconds();
   if (!(seconds > 0)) return 0;
-  double progress = 0;
-  for (size_t i = 1; i < samples.size(); ++i) progress += samples[i].progress;
-  return progress / seconds;
+  double progress = w.total().fresh;
+  for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
+    progress += w.total().stale[level] * worth_.Worth(level);
+  }
+  return std::isfinite(progress) ? progress / seconds : 0.0;
+}
+
+bool DelayPayoff::Spans(const Window& w, uint32_t rounds) const {
+  return w.size() >= rounds + 1u && w.seconds() >= opt_.min_seconds;
+}
+
+std::string DelayPayoff::WorthOf(const Window& w) const {
+  uint32_t levels = 0;
+  for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
+    if (w.total().stale_count[level] > 0) levels |= 1u << level;
+  }
+  return levels == 0 ? "no stale gradients" : "stale ones worth " + worth_.Describe(levels);
 }
 
 void DelayPayoff::RoundClosed(double now, const RoundRecord& round) {
@@ -45,19 +87,29 @@ void DelayPayoff::RoundClosed(double now, const RoundRecord& round) {
     --settle_;
     return;
   }
-  double progress = 0;
+  Sample sample;
+  sample.at = now;
   for (const RoundMember& m : round.members) {
-    progress += 1.0 / (1.0 + static_cast<double>(Staleness(round.round, m.base)));
+    const uint64_t s = Staleness(round.round, m.base);
+    if (s == 0) {
+      sample.gradients.fresh += 1;
+    } else {
+      sample.gradients.stale[StaleWorth::Level(s)] += staleness_.Weight(s);
+      ++sample.gradients.stale_count[StaleWorth::Level(s)];
+    }
   }
   // Delaying, the window keeps sliding after the trial: a delay kept is still checked.
-  std::deque<Sample>* into = delaying_ ? &trial_ : &bsp_;
-  into->push_back({now, progress});
-  if (into->size() > opt_.measure_rounds + 1) into->pop_front();
+  Window& into = delaying_ ? trial_ : bsp_;
+  into.Push(sample);
+  // The window: the last measure_rounds rounds, or more where they span less than min_seconds.
+  while (into.size() > opt_.max_samples || into.Surplus(opt_.measure_rounds, opt_.min_seconds)) {
+    into.PopFront();
+  }
 }
 
 void DelayPayoff::MembershipChanged() {
-  bsp_.clear();
-  trial_.clear();
+  bsp_.Clear();
+  trial_.Clear();
   settle_ = opt_.settle_rounds;
   // The bsp pace a trial or a kept delay is compared with was measured with other workers:
   // measure bsp again, then try again; what failed with the old workers says nothing of the
@@ -72,7 +124,7 @@ void DelayPayoff::GiveUp() {
   retry_after_ = rounds_closed_ + backoff_;
   backoff_ = static_cast<uint32_t>(
       std::min<uint64_t>(uint64_t{backoff_} * 2, opt_.max_backoff_rounds));
-  trial_.clear();
+  trial_.Clear();
 }
 
 AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
@@ -82,14 +134,14 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
     // Somebody turned slow: bsp's pace before that is not what delaying must beat, or a
     // straggler that appears mid-job would fail its first trial against the faster rounds
     // before it. bsp is measured anew, with the straggler.
-    bsp_.clear();
+    bsp_.Clear();
   }
   proposing_ = proposes;
   if (!proposes) {
-    if (phase_ == Phase::kTrial && trial_.size() < opt_.measure_rounds + 1u) {
+    if (phase_ == Phase::kTrial && !Spans(trial_, opt_.measure_rounds)) {
       // The slowness did not last the trial: noise, not a straggler. Counted as a failed
       // trial, or flapping proposals would each start one and no backoff would ever apply.
-      const size_t measured = trial_.empty() ? 0 : trial_.size() - 1;
+      const size_t measured = trial_.size() > 0 ? trial_.size() - 1 : 0;
       GiveUp();
       reason_ = fmt::format("the slowdown did not last the trial ({} of {} rounds); the next "
                             "trial after round {}",
@@ -99,49 +151,53 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
     }
     phase_ = Phase::kBsp;
   } else if (phase_ == Phase::kBsp) {
-    const double pace = Pace(bsp_);
     if (rounds_closed_ < retry_after_) {
       reason_ = fmt::format("delaying did not pay in the last trial; the next one after round {}",
                             retry_after_);
       out = AsBsp(proposal);
-    } else if (bsp_.size() < opt_.min_baseline_rounds + 1u || !(pace > 0)) {
-      reason_ = fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds)",
-                            bsp_.size() > 0 ? bsp_.size() - 1 : 0, opt_.min_baseline_rounds);
+    } else if (!Spans(bsp_, opt_.min_baseline_rounds) || !(Pace(bsp_) > 0)) {
+      reason_ = fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds, "
+                            "{:.2f} of {:.2f} s)",
+                            bsp_.size() > 0 ? bsp_.size() - 1 : 0, opt_.min_baseline_rounds,
+                            bsp_.seconds(), opt_.min_seconds);
       out = AsBsp(proposal);
     } else {
-      bsp_pace_ = pace;
-      bsp_.clear();
-      trial_.clear();
+      bsp_pace_ = Pace(bsp_);
+      bsp_.Clear();
+      trial_.Clear();
       phase_ = Phase::kTrial;
-      reason_ = fmt::format("trying it for {} rounds against bsp's {:.4g} gradients/s",
-                            opt_.measure_rounds, bsp_pace_);
+      reason_ = fmt::format("trying it for {} rounds and {:.2f} s at least against bsp's "
+                            "{:.4g} gradients/s",
+                            opt_.measure_rounds, opt_.min_seconds, bsp_pace_);
     }
   } else if (phase_ == Phase::kDelaying) {
-    const double pace = trial_.size() >= opt_.measure_rounds + 1u ? Pace(trial_) : bsp_pace_;
+    const double pace = Spans(trial_, opt_.measure_rounds) ? Pace(trial_) : bsp_pace_;
     if (pace < bsp_pace_) {
+      const std::string worth = WorthOf(trial_);
+      const size_t rounds = trial_.size() - 1;
+      const double seconds = trial_.seconds();
       GiveUp();  // the backoff starts afresh: it was reset when the delay was kept
-      reason_ = fmt::format("back to bsp: delaying fell to {:.4g} gradients/s (stale ones "
-                            "discounted) over the last {} rounds, below bsp's {:.4g}; bsp is "
-                            "measured again and the next trial is after round {}",
-                            pace, opt_.measure_rounds, bsp_pace_, retry_after_);
+      reason_ = fmt::format("back to bsp: delaying fell to {:.4g} gradients/s ({}) over the "
+                            "last {} rounds ({:.2f} s), below bsp's {:.4g}; bsp is measured "
+                            "again and the next trial is after round {}",
+                            pace, worth, rounds, seconds, bsp_pace_, retry_after_);
       out = AsBsp(proposal);
     }
-  } else if (phase_ == Phase::kTrial && trial_.size() >= opt_.measure_rounds + 1u) {
+  } else if (phase_ == Phase::kTrial && Spans(trial_, opt_.measure_rounds)) {
     const double pace = Pace(trial_);
     const double gain = pace / bsp_pace_;
+    const std::string worth = WorthOf(trial_);
     if (gain >= opt_.min_gain) {
       phase_ = Phase::kDelaying;
       backoff_ = opt_.backoff_rounds;
-      reason_ = fmt::format("it pays: {:.4g} gradients/s (stale ones discounted), {:.2f}x "
-                            "bsp's {:.4g}",
-                            pace, gain, bsp_pace_);
-      trial_.pop_front();  // the window slides on: the delay kept stays checked
+      reason_ = fmt::format("it pays: {:.4g} gradients/s ({}), {:.2f}x bsp's {:.4g}", pace,
+                            worth, gain, bsp_pace_);
     } else {
       GiveUp();
-      reason_ = fmt::format("back to bsp: delaying gave {:.4g} gradients/s (stale ones "
-                            "discounted), {:.2f}x bsp's {:.4g}, under the {:.2f}x it must "
-                            "gain; the next trial after round {}",
-                            pace, gain, bsp_pace_, opt_.min_gain, retry_after_);
+      reason_ = fmt::format("back to bsp: delaying gave {:.4g} gradients/s ({}), {:.2f}x "
+                            "bsp's {:.4g}, under the {:.2f}x it must gain; the next trial "
+                            "after round {}",
+                            pace, worth, gain, bsp_pace_, opt_.min_gain, retry_after_);
       out = AsBsp(proposal);
     }
   }

@@ -6,18 +6,25 @@
 // was, now with stale gradients that cost accuracy. So a proposal to delay is tried, and kept
 // only if it pays:
 //   - once the policy proposes to delay somebody, the job, still bsp, measures the pace of
-//     its progress with the slow worker: at least `min_baseline_rounds` rounds (at most the
-//     last `measure_rounds`), progress = the gradients they applied;
-//   - a proposal to delay starts a trial of `measure_rounds` rounds (after `settle_rounds`
-//     for the queues to settle), in which a gradient applied s rounds after the version it
-//     was computed on counts 1 / (1 + s) of a fresh one (the discount of staleness-aware
-//     asynchronous SGD: a stale gradient is worth less, the staler the less);
+//     its progress with the slow worker: at least `min_baseline_rounds` rounds and
+//     `min_seconds` (rounds of a few milliseconds on shared cores are timed with much noise),
+//     at most the last `measure_rounds` rounds beyond that; progress = the gradients applied;
+//   - a proposal to delay starts a trial of `measure_rounds` rounds and `min_seconds` at least
+//     (after `settle_rounds` for the queues to settle), in which a gradient applied s rounds
+//     after the version it was computed on counts what a stale gradient is worth next to a
+//     fresh one, as the servers measure it in this job (ps/stale_worth.h: how well such
+//     gradients agree with the fresh ones of their rounds), times the staleness policy's
+//     weight of it; until that is measured, 1 / (1 + s) (the discount of staleness-aware
+//     asynchronous SGD). A gradient that points against where the model goes counts less
+//     than nothing. Progress is counted when the trial is judged, with the worth measured by
+//     then, as the servers' reports trail the rounds;
 //   - the trial's progress per second must be at least `min_gain` times bsp's; if it is not,
 //     the job goes back to bsp and tries again only after `backoff_rounds` rounds, doubled
 //     after each failed trial (up to `max_backoff_rounds`), so that a deployment where delay
 //     never pays settles into bsp. A trial cut short because the proposal went back to bsp
 //     (the slowness did not last) counts as failed: flapping from noise backs off alike;
-//   - a delay kept is still measured, over the last `measure_rounds` rounds: once its pace
+//   - a delay kept is still measured, over the last `measure_rounds` rounds and `min_seconds`,
+//     with the worth measured as it goes on: once its pace
 //     falls below the bsp pace it beat, the job goes back to bsp, measures bsp again and
 //     tries again after `backoff_rounds`;
 //   - a join or leave makes the paces measured before incomparable: bsp again, measured anew.
@@ -26,12 +33,16 @@
 // feeds it round closes with their times; the unit tests feed synthetic ones.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <deque>
+#include <span>
 #include <string>
 
+#include "dsync/config.h"
 #include "dsync/types.h"
 #include "ps/auto_policy.h"
+#include "ps/stale_worth.h"
 
 namespace dsync::ps {
 
@@ -39,6 +50,11 @@ struct DelayPayoffOptions {
   uint32_t measure_rounds = 20;        // rounds a trial and bsp's pace are measured over
   uint32_t min_baseline_rounds = 10;   // bsp rounds measured before the first trial
   uint32_t settle_rounds = 2;          // rounds after a switch that are not measured
+  // A measurement (bsp's or a trial's) spans this much time at least. On the 2-core VM, paces
+  // over 20 rounds of 5 ms (0.1 s) swung by 30 % from trial to trial in a job where delaying
+  // gained nothing (lr 0.1, no added compute), and such trials passed.
+  double min_seconds = 1.0;
+  uint32_t max_samples = 1u << 14;     // rounds a window holds at most, however short
   // A trial must progress this much faster than bsp. On the 2-core VM (fmnist_cnn.py, 4
   // workers) trials in balanced jobs gave 0.95-0.98x, with a 3x straggler 1.11-2.18x.
   double min_gain = 1.10;
@@ -50,7 +66,9 @@ class DelayPayoff {
  public:
   enum class Phase { kBsp, kTrial, kDelaying };
 
-  explicit DelayPayoff(DelayPayoffOptions options);
+  // `staleness`: the job's policy, whose weight of a stale gradient scales what it is worth.
+  explicit DelayPayoff(DelayPayoffOptions options, StalenessPolicy staleness = {},
+                       StaleWorthOptions worth = {});
 
   // What to apply, given the policy's proposal: the proposal, or bsp for the same workers.
   AutoDecision Gate(const AutoDecision& proposal);
@@ -58,28 +76,71 @@ class DelayPayoff {
   void RoundClosed(double now, const RoundRecord& round);
   // Workers joined or left: paces measured before are not comparable with those after.
   void MembershipChanged();
+  // A server's agreement report of a closed round (ps/gradient_agreement.h), counting
+  // `weight` of a round (StaleWorth::Add); false when it said nothing.
+  bool Measured(const RoundRecord& round, std::span<const double> dots,
+                std::span<const uint8_t> measured, double weight = 1.0) {
+    return worth_.Add(round, dots, measured, weight);
+  }
+  const StaleWorth& worth() const { return worth_; }
 
   Phase phase() const { return phase_; }
   // Why the last Gate decided as it did, for the policy's log line ("" while plain bsp).
   const std::string& reason() const { return reason_; }
 
  private:
+  // Gradients of closed rounds: fresh ones, and per staleness level the policy's weights of
+  // the stale ones and how many (their worth is applied when a pace is computed).
+  struct Gradients {
+    double fresh = 0;
+    std::array<double, StaleWorth::kLevels + 1> stale{};
+    std::array<uint64_t, StaleWorth::kLevels + 1> stale_count{};
+  };
   struct Sample {
-    double at;
-    double progress;
+    double at = 0;  // when the round closed
+    Gradients gradients;
+  };
+  // Rounds closed in one phase, and the totals of all but the first (which only marks where
+  // the window starts): a pace costs the same however many rounds the window holds.
+  class Window {
+   public:
+    void Push(const Sample& s);
+    void PopFront();
+    void Clear();
+    size_t size() const { return samples_.size(); }
+    double seconds() const {
+      return samples_.size() < 2 ? 0.0 : samples_.back().at - samples_.front().at;
+    }
+    // Whether the window holds more than `rounds` rounds beyond its first and would still
+    // span `seconds` without it.
+    bool Surplus(uint32_t rounds, double seconds) const {
+      return samples_.size() > rounds + 1u && samples_.back().at - samples_[1].at >= seconds;
+    }
+    const Gradients& total() const { return total_; }
+
+   private:
+    static void Add(Gradients& to, const Gradients& g, double sign);
+    std::deque<Sample> samples_;
+    Gradients total_;
   };
   // A trial failed: bsp, and the next trial only after the backoff, which doubles.
   void GiveUp();
-  // Progress per second over the samples (the first one only marks the start).
-  static double Pace(const std::deque<Sample>& samples);
+  // Progress per second over the window (the first round only marks the start).
+  double Pace(const Window& w) const;
+  // Whether the window spans `rounds` rounds and min_seconds.
+  bool Spans(const Window& w, uint32_t rounds) const;
+  // The worth of the stale gradients in the window, for the reasons.
+  std::string WorthOf(const Window& w) const;
 
   DelayPayoffOptions opt_;
+  StalenessPolicy staleness_;
+  StaleWorth worth_;
   Phase phase_ = Phase::kBsp;
   bool delaying_ = false;      // the last decision handed out delays somebody
   bool proposing_ = false;     // the last proposal delayed somebody
   uint32_t settle_ = 0;        // rounds still to skip after a switch
-  std::deque<Sample> bsp_;     // the last rounds closed under bsp
-  std::deque<Sample> trial_;   // the last rounds closed delaying (the trial, then the delay)
+  Window bsp_;                 // the last rounds closed under bsp
+  Window trial_;               // the last rounds closed delaying (the trial, then the delay)
   double bsp_pace_ = 0;        // bsp's pace when the trial started: what delay must beat
   uint64_t rounds_closed_ = 0;
   uint64_t retry_after_ = 0;   // no trial before this many rounds have closed

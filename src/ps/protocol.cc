@@ -1,5 +1,6 @@
 #include "ps/protocol.h"
 
+#include <bit>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -305,6 +306,49 @@ Status DecodeCheckpointDone(std::span<const std::byte> meta, CheckpointDone& out
   MetaReader r(meta);
   if (!r.Get(&out.bytes) || !r.Get(&out.crc32) || !r.GetString(&out.file) || !r.done()) {
     return Error(StatusCode::kProtocol, "checkpoint-done metadata is malformed");
+  }
+  return Status::Ok();
+}
+
+void EncodeAgreement(const Agreement& a, std::vector<std::byte>& out) {
+  MetaWriter w(out);
+  w.Put(static_cast<uint32_t>(a.dots.size()));
+  for (size_t m = 0; m < a.dots.size(); ++m) {
+    const bool measured = m < a.measured.size() && a.measured[m];
+    w.Put(static_cast<uint8_t>(measured ? 1 : 0));
+    w.Put(measured ? a.dots[m] : 0.0);
+  }
+}
+
+Status DecodeAgreement(std::span<const std::byte> meta, Agreement& out) {
+  MetaReader r(meta);
+  uint32_t n = 0;
+  // 9 bytes per member: a count past what the metadata holds is refused before any allocation.
+  if (!r.Get(&n) || meta.size() != 4 + uint64_t{n} * 9) {
+    return Error(StatusCode::kProtocol, "agreement metadata of {} bytes is malformed",
+                 meta.size());
+  }
+  out.dots.resize(n);
+  out.measured.resize(n);
+  for (uint32_t m = 0; m < n; ++m) {
+    uint8_t measured = 0;
+    double dot = 0;
+    // One form per report: a member not measured carries +0.0.
+    if (!r.Get(&measured) || !r.Get(&dot) || measured > 1 ||
+        (!measured && std::bit_cast<uint64_t>(dot) != 0)) {
+      return Error(StatusCode::kProtocol, "agreement metadata of {} bytes is malformed",
+                   meta.size());
+    }
+    if (measured && !std::isfinite(dot)) {
+      return Error(StatusCode::kProtocol, "agreement of member {} is {}, not a finite number",
+                   m, dot);
+    }
+    out.measured[m] = measured;
+    out.dots[m] = dot;
+  }
+  if (!r.done()) {
+    return Error(StatusCode::kProtocol, "agreement metadata of {} bytes is malformed",
+                 meta.size());
   }
   return Status::Ok();
 }

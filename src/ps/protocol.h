@@ -71,7 +71,8 @@ enum class MsgType : uint16_t {
   // server <-> scheduler
   kRound = 20,      // round(); meta = RoundMember[] with their tensors, in summation order
   kWorkerGone = 21, // gone_worker(), next_clock(): anything it staged from there on is void
-  kApplied = 22,    // round(): the server applied it
+  kApplied = 22,    // round(): the server applied it; meta (dsync:auto, a round with fresh
+                    // and stale gradients): Agreement
   kShutdown = 23,   // scheduler -> server: the job is over; -> observer: training is over,
                     // final_version() (read it, then leave)
   kReady = 24,      // server -> scheduler: welcome taken, it accepts clients now
@@ -339,6 +340,16 @@ struct CheckpointDone {
 };
 void EncodeCheckpointDone(const CheckpointDone& done, std::vector<std::byte>& out);
 Status DecodeCheckpointDone(std::span<const std::byte> meta, CheckpointDone& out);
+
+// kApplied metadata: per member of the round, in its order, whether this server measured its
+// agreement with the round's fresh gradients and that agreement (ps/gradient_agreement.h).
+// Decoding refuses a measured value that is not finite; a member not measured carries +0.0.
+struct Agreement {
+  std::vector<double> dots;
+  std::vector<uint8_t> measured;
+};
+void EncodeAgreement(const Agreement& a, std::vector<std::byte>& out);
+Status DecodeAgreement(std::span<const std::byte> meta, Agreement& out);
 
 // kSetLearningRate and kLearningRate metadata: the learning rate, a float32. Decoding
 // refuses any other length, and a rate that is not finite or is negative.

@@ -58,12 +58,18 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   SchedulerNode(const Config& config, std::unique_ptr<Transport> transport)
       : cfg_(config), transport_(std::move(transport)), job_key_(RandomJobKey()),
         rule_(config.sync), checkpoints_(config, 0) {
-    if (config.sync.adaptive) {
-      AutoPolicyOptions o;
-      o.max_bound = config.sync.bound;
-      policy_.emplace(o);
-      payoff_.emplace(DelayPayoffOptions{});
-    }
+    StartAuto();
+  }
+
+  // dsync:auto's policy and payoff check, anew (none in other modes).
+  void StartAuto() {
+    policy_.reset();
+    payoff_.reset();
+    if (!cfg_.sync.adaptive) return;
+    AutoPolicyOptions o;
+    o.max_bound = cfg_.sync.bound;
+    policy_.emplace(o);
+    payoff_.emplace(DelayPayoffOptions{}, cfg_.staleness);
   }
 
   ~SchedulerNode() override {
@@ -820,6 +826,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         for (ServerEntry& s : servers_) {
           if (s.id == id) s.applied = std::max<Round>(s.applied, h.round() + 1);
         }
+        if (!meta.empty()) AgreementIn(id, h.round(), meta);
         if (cfg_.replicas > 1) {
           Progress();  // rounds held back for a trailing copy may close now
         } else {
@@ -1304,6 +1311,41 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       workers_.erase(wit);
     }
     Progress();
+  }
+
+  // A server's agreement report of a round it applied (dsync:auto's measured worth of stale
+  // gradients). A report that does not fit the round is refused with a warning: it only
+  // informs the policy, so the job goes on without it.
+  void AgreementIn(NodeId id, Round round, std::span<const std::byte> meta) {
+    if (!payoff_) return;
+    Status st = DecodeAgreement(meta, agreement_);
+    const RoundRecord* rec = nullptr;
+    if (st.ok() && !history_.empty() && round >= history_.front().round &&
+        round - history_.front().round < history_.size()) {
+      rec = &history_[round - history_.front().round];
+    }
+    if (st.ok() && (!rec || rec->round != round)) {
+      st = Error(StatusCode::kProtocol, "no record of round {}", round);
+    } else if (st.ok() && agreement_.dots.size() != rec->members.size()) {
+      st = Error(StatusCode::kProtocol, "{} value(s) for the {} member(s) of round {}",
+                 agreement_.dots.size(), rec->members.size(), round);
+    }
+    if (!st.ok()) {
+      // Said the first few times and then every 1000th: a server that keeps sending them
+      // would otherwise fill the log at the pace of the rounds.
+      if (counters_.agreements_refused++ % 1000 < 5) {
+        spdlog::warn("scheduler: agreement report of server {} refused ({} so far): {}", id,
+                     counters_.agreements_refused, st.message());
+      }
+      return;
+    }
+    // The servers' reports of a round count one round together.
+    size_t live = 0;
+    for (const ServerEntry& s : LiveServers()) live += s.lost ? 0 : 1;
+    const double weight = 1.0 / static_cast<double>(std::max<size_t>(live, 1));
+    if (payoff_->Measured(*rec, agreement_.dots, agreement_.measured, weight)) {
+      ++counters_.agreements_measured;
+    }
   }
 
   // dsync:auto: the policy proposes from the workers' times, the payoff check decides
@@ -1901,14 +1943,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     DSYNC_RETURN_IF_ERROR(cfg_.Validate());
     rule_ = RoundRule(cfg_.sync);
-    policy_.reset();
-    payoff_.reset();
-    if (cfg_.sync.adaptive) {
-      AutoPolicyOptions o;
-      o.max_bound = cfg_.sync.bound;
-      policy_.emplace(o);
-      payoff_.emplace(DelayPayoffOptions{});
-    }
+    StartAuto();
     server_events_ = ServerEvents(cfg_.num_servers);  // the journal's server count
     const Round start = r.at("start_version").get<Round>();
     if (start > 0) DSYNC_RETURN_IF_ERROR(rule_.StartAt(start, r.at("start_clock").get<Clock>()));
@@ -2299,6 +2334,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // when the scheduler was lost (a server further behind is lost at its rejoin).
   static constexpr size_t kMaxResendRounds = 4096;
   std::deque<RoundRecord> history_;
+  Agreement agreement_;  // the last agreement report decoded, reused
   AuditLog audit_;
   std::vector<std::byte> meta_buf_;
   // Rounds sent to the servers so far: the next one is the first a new learning rate can

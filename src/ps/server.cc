@@ -31,6 +31,7 @@
 #include "ps/buffer_pool.h"
 #include "ps/checkpoint.h"
 #include "ps/client_registry.h"
+#include "ps/gradient_agreement.h"
 #include "ps/handshake.h"
 #include "ps/rejoin.h"
 #include "ps/net_address.h"
@@ -1005,6 +1006,16 @@ class ServerNode final : public Server, public TransportHandler {
     std::vector<uint64_t> bases;      // their base versions (delay compensation only)
     std::vector<float> member_weights;
     std::vector<size_t> used;         // staged entries the round consumed
+    // dsync:auto's agreement of the round's gradients (ps/gradient_agreement.h): per member
+    // over every slice, and per gradient of one slice (those in host memory).
+    Agreement agreement;
+    std::vector<size_t> member_of;    // per gradient of the slice: its member
+    std::vector<uint8_t> fresh_member;  // per member
+    std::vector<uint8_t> host_fresh;
+    std::vector<double> host_dots;
+    std::vector<uint8_t> host_measured;
+    std::vector<double> agreement_scratch;
+    std::vector<std::byte> meta;
   };
 
   // On a server taking a lost rank's place, a round before the copies' version only
@@ -1066,7 +1077,11 @@ class ServerNode final : public Server, public TransportHandler {
       if (!release_only) stats_.gradients_applied += r.members.size();
       FrameHeader done = MakeHeader(MsgType::kApplied, id_);
       done.set_round(r.round);
-      (void)SendControl(*transport_, scheduler_, done);
+      scratch.meta.clear();
+      if (!release_only && AgreementToSend(scratch)) {
+        EncodeAgreement(scratch.agreement, scratch.meta);
+      }
+      (void)transport_->Send(scheduler_, done, scratch.meta, nullptr, 0);
     }
   }
 
@@ -1105,6 +1120,60 @@ class ServerNode final : public Server, public TransportHandler {
     if (all_one) member_weights.clear();
   }
 
+  // dsync:auto weighs what a stale gradient is worth (ps/stale_worth.h): a round that has
+  // both fresh and stale gradients is measured, one that has not says nothing.
+  bool MeasuresAgreement(const PendingRound& r) const {
+    if (!job_.sync.adaptive) return false;
+    bool fresh = false;
+    bool stale = false;
+    for (const RoundEntry& e : r.members) {
+      (Staleness(r.round, e.member.base) == 0 ? fresh : stale) = true;
+    }
+    return fresh && stale;
+  }
+
+  // Adds this slice's share of each member's agreement. Only a slice that every member's
+  // gradient covers, in host memory, with two fresh gradients at least, is measured: then
+  // every member is measured on the same coordinates, so that stale and fresh are compared on
+  // like terms. Gradients in GPU memory (GPUDirect RDMA) are not read back for this.
+  void MeasureAgreement(const PendingRound& r, const SliceState& s, RoundScratch& scratch) {
+    if (scratch.grads.size() != r.members.size()) return;
+    scratch.host_fresh.clear();
+    size_t fresh = 0;
+    for (size_t j = 0; j < scratch.grads.size(); ++j) {
+      if (device_memory_ &&
+          device_memory_->Contains(scratch.grads[j], s.elements * sizeof(float))) {
+        return;
+      }
+      const bool is_fresh = Staleness(r.round, r.members[scratch.member_of[j]].member.base) == 0;
+      scratch.host_fresh.push_back(is_fresh ? 1 : 0);
+      fresh += is_fresh ? 1 : 0;
+    }
+    if (fresh < 2) return;
+    scratch.host_dots.assign(scratch.grads.size(), 0.0);
+    scratch.host_measured.assign(scratch.grads.size(), 0);
+    AddAgreement(scratch.grads, scratch.host_fresh, s.elements, r.round,
+                 scratch.agreement_scratch, scratch.host_dots, scratch.host_measured);
+    for (size_t j = 0; j < scratch.grads.size(); ++j) {
+      if (!scratch.host_measured[j]) continue;
+      scratch.agreement.dots[scratch.member_of[j]] += scratch.host_dots[j];
+      scratch.agreement.measured[scratch.member_of[j]] = 1;
+    }
+  }
+
+  // The agreement goes to the scheduler where it says something: a stale and a fresh member
+  // measured, every value finite (a gradient holding inf or NaN measures nothing).
+  bool AgreementToSend(RoundScratch& scratch) const {
+    bool fresh = false;
+    bool stale = false;
+    for (size_t m = 0; m < scratch.agreement.dots.size(); ++m) {
+      if (!std::isfinite(scratch.agreement.dots[m])) return false;
+      if (!scratch.agreement.measured[m]) continue;
+      (scratch.fresh_member[m] ? fresh : stale) = true;
+    }
+    return fresh && stale;
+  }
+
   Status ApplyRound(const PendingRound& r, RoundScratch& scratch) {
     DSYNC_RETURN_IF_ERROR(CheckRoundStaged(r));
     std::vector<const float*>& grads = scratch.grads;
@@ -1125,12 +1194,20 @@ class ServerNode final : public Server, public TransportHandler {
     std::shared_lock lock(slices_mu_);
     uint64_t strays = 0;
     Status failed = Status::Ok();
+    const bool measure = MeasuresAgreement(r);
+    scratch.agreement.dots.assign(measure ? r.members.size() : 0, 0.0);
+    scratch.agreement.measured.assign(measure ? r.members.size() : 0, 0);
+    scratch.fresh_member.clear();
+    for (size_t m = 0; measure && m < r.members.size(); ++m) {
+      scratch.fresh_member.push_back(Staleness(r.round, r.members[m].member.base) == 0 ? 1 : 0);
+    }
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);
       grads.clear();
       weights.clear();
       bases.clear();
       used.clear();
+      scratch.member_of.clear();
       for (size_t m = 0; m < r.members.size(); ++m) {  // worker-id order: deterministic sums
         const RoundEntry& e = r.members[m];
         const bool applies = Contains(e.tensors, s->tensor);
@@ -1138,6 +1215,7 @@ class ServerNode final : public Server, public TransportHandler {
           if (s->staged[i].worker == e.member.worker && s->staged[i].clock == e.member.clock) {
             // Staged for a tensor the commit did not name: pushed, never committed; dropped.
             if (applies) {
+              scratch.member_of.push_back(m);
               grads.push_back(s->staged[i].data);
               if (!member_weights.empty()) weights.push_back(member_weights[m]);
               if (comp.depth > 0) bases.push_back(e.member.base);
@@ -1151,6 +1229,7 @@ class ServerNode final : public Server, public TransportHandler {
       OptimizerConfig opt = s->optimizer;
       if (r.lr) opt.lr = *r.lr;
       comp.bases = bases;
+      if (measure) MeasureAgreement(r, *s, scratch);
       Status st = store_->ApplyRound(s->key, grads, weights, comp, opt);
       if (!st.ok()) {
         // The slice would fall behind its copies and every later round: the round fails
