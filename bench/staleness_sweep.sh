@@ -12,7 +12,12 @@
 # Scenarios: balanced; straggler (worker 3 three times slower); churn (worker 2 killed at
 # round 780 and a fifth worker joining at round 1170: a third and a half of bsp's 2345).
 # Runs of one cell are interleaved (run 1 of every mode, then run 2, ...), so that a slow
-# spell of the machine does not land on one mode only. Every job's @train line goes to
+# spell of the machine does not land on one mode only. Run k uses --seed k+SEED0 (model
+# initialization and data order; SEED0=0 by default) for every mode: with one seed, bsp is
+# the same trajectory in every run (each round sums one gradient of each worker, in worker
+# order), and its runs would differ only in when the evaluations land, while a mode that
+# perturbs the order draws a new trajectory each run; the medians would then compare one
+# trajectory of bsp, lucky or not, with a spread of the others. Every job's @train line goes to
 # OUT_DIR/runs.jsonl; the table is computed from that file and can be recomputed with
 #   /usr/bin/python3 bench/staleness_table.py OUT_DIR/runs.jsonl
 set -euo pipefail
@@ -41,15 +46,17 @@ for lr in $lrs; do
         cell="lr$lr-c$compute-$scenario-run$run"
         echo "== $cell: $modes" >&2
         "$bin" compare --modes "$modes" --servers 2 --epochs 10 --batch 64 --eval-interval 0.5 \
-          --lr "$lr" --compute-ms "$compute" "${sargs[@]}" --out "$out/$cell" \
+          --lr "$lr" --compute-ms "$compute" --seed $((run + ${SEED0:-0})) "${sargs[@]}" \
+          --out "$out/$cell" \
           | grep '^@train ' | sed 's/^@train //' \
           | /usr/bin/python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     r.update({"lr": float(sys.argv[1]), "compute_ms": float(sys.argv[2]),
-              "cell_scenario": sys.argv[3], "run": int(sys.argv[4])})
-    print(json.dumps(r))' "$lr" "$compute" "$scenario" "$run" >> "$out/runs.jsonl"
+              "cell_scenario": sys.argv[3], "run": int(sys.argv[4]), "seed": int(sys.argv[5])})
+    print(json.dumps(r))' "$lr" "$compute" "$scenario" "$run" "$((run + ${SEED0:-0}))" \
+          >> "$out/runs.jsonl"
       done
     done
   done

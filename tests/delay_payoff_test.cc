@@ -382,6 +382,25 @@ TEST(DelayPayoff, PacesAreMeasuredOverMinSecondsAtLeast) {
   EXPECT_NE(payoff.reason().find("1.50x bsp's 800"), std::string::npos) << payoff.reason();
 }
 
+// A trial whose pace comes from a lucky spell: 1.5x bsp's in its first half, 1.0x in its
+// second, 1.2x over the whole. Each half must gain on its own: it fails, and says so.
+TEST(DelayPayoff, EachHalfOfTheTrialMustGain) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.010);  // 400 gradients/s
+  job.Rounds(o.settle_rounds, 0.005, 3);
+  job.Rounds(11, 0.005, 3);  // the first only marks the start: 10 rounds of 600/s
+  ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  job.Rounds(10, 0.0075, 3);  // 400/s
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("back to bsp: delaying gave 480 gradients/s (no stale "
+                                 "gradients), 1.20x bsp's 400 (1.50x and 1.00x in the trial's "
+                                 "halves), under the 1.10x it must gain in each"),
+            std::string::npos)
+      << payoff.reason();
+}
+
 // A straggler whose slowness comes and goes faster than bsp's pace can be measured never
 // gets a trial: the job stays bsp, and says it is measuring.
 TEST(DelayPayoff, AFlappingStragglerIsNeverTried) {

@@ -69,6 +69,22 @@ double DelayPayoff::Pace(const Window& w) const {
   return std::isfinite(progress) ? progress / seconds : 0.0;
 }
 
+double DelayPayoff::PaceBetween(const Window& w, size_t from, size_t to) const {
+  if (to <= from || to >= w.size()) return 0;
+  const double seconds = w[to].at - w[from].at;
+  if (!(seconds > 0)) return 0;
+  std::array<double, StaleWorth::kLevels + 1> worth{};
+  for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) worth[level] = worth_.Worth(level);
+  double progress = 0;
+  for (size_t i = from + 1; i <= to; ++i) {
+    progress += w[i].gradients.fresh;
+    for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
+      progress += w[i].gradients.stale[level] * worth[level];
+    }
+  }
+  return std::isfinite(progress) ? progress / seconds : 0.0;
+}
+
 bool DelayPayoff::Spans(const Window& w, uint32_t rounds) const {
   return w.size() >= rounds + 1u && w.seconds() >= opt_.min_seconds;
 }
@@ -186,18 +202,25 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   } else if (phase_ == Phase::kTrial && Spans(trial_, opt_.measure_rounds)) {
     const double pace = Pace(trial_);
     const double gain = pace / bsp_pace_;
+    // Each half of the trial on its own must gain too: a pace measured over a second of
+    // noisy rounds passes 1.10x by chance now and then, both halves far more rarely.
+    const size_t half = (trial_.size() - 1) / 2;
+    const double first = PaceBetween(trial_, 0, half) / bsp_pace_;
+    const double second = PaceBetween(trial_, half, trial_.size() - 1) / bsp_pace_;
     const std::string worth = WorthOf(trial_);
-    if (gain >= opt_.min_gain) {
+    if (gain >= opt_.min_gain && first >= opt_.min_gain && second >= opt_.min_gain) {
       phase_ = Phase::kDelaying;
       backoff_ = opt_.backoff_rounds;
-      reason_ = fmt::format("it pays: {:.4g} gradients/s ({}), {:.2f}x bsp's {:.4g}", pace,
-                            worth, gain, bsp_pace_);
+      reason_ = fmt::format("it pays: {:.4g} gradients/s ({}), {:.2f}x bsp's {:.4g} ({:.2f}x "
+                            "and {:.2f}x in the trial's halves)",
+                            pace, worth, gain, bsp_pace_, first, second);
     } else {
       GiveUp();
       reason_ = fmt::format("back to bsp: delaying gave {:.4g} gradients/s ({}), {:.2f}x "
-                            "bsp's {:.4g}, under the {:.2f}x it must gain; the next trial "
-                            "after round {}",
-                            pace, worth, gain, bsp_pace_, opt_.min_gain, retry_after_);
+                            "bsp's {:.4g} ({:.2f}x and {:.2f}x in the trial's halves), under "
+                            "the {:.2f}x it must gain in each; the next trial after round {}",
+                            pace, worth, gain, bsp_pace_, first, second, opt_.min_gain,
+                            retry_after_);
       out = AsBsp(proposal);
     }
   }

@@ -18,7 +18,9 @@
 //     asynchronous SGD). A gradient that points against where the model goes counts less
 //     than nothing. Progress is counted when the trial is judged, with the worth measured by
 //     then, as the servers' reports trail the rounds;
-//   - the trial's progress per second must be at least `min_gain` times bsp's; if it is not,
+//   - the trial's progress per second must be at least `min_gain` times bsp's, over the whole
+//     trial and over each of its halves (a second of noisy rounds passes by chance now and
+//     then; both halves far more rarely); if it is not,
 //     the job goes back to bsp and tries again only after `backoff_rounds` rounds, doubled
 //     after each failed trial (up to `max_backoff_rounds`), so that a deployment where delay
 //     never pays settles into bsp. A trial cut short because the proposal went back to bsp
@@ -117,6 +119,7 @@ class DelayPayoff {
       return samples_.size() > rounds + 1u && samples_.back().at - samples_[1].at >= seconds;
     }
     const Gradients& total() const { return total_; }
+    const Sample& operator[](size_t i) const { return samples_[i]; }
 
    private:
     static void Add(Gradients& to, const Gradients& g, double sign);
@@ -127,6 +130,9 @@ class DelayPayoff {
   void GiveUp();
   // Progress per second over the window (the first round only marks the start).
   double Pace(const Window& w) const;
+  // The same between rounds `from` and `to` of the window (from only marks the start); it
+  // walks the rounds, for the once-per-trial check of its halves.
+  double PaceBetween(const Window& w, size_t from, size_t to) const;
   // Whether the window spans `rounds` rounds and min_seconds.
   bool Spans(const Window& w, uint32_t rounds) const;
   // The worth of the stale gradients in the window, for the reasons.
