@@ -59,30 +59,22 @@ void DelayPayoff::Window::Clear() {
   total_ = {};
 }
 
-double DelayPayoff::Pace(const Window& w) const {
-  const double seconds = w.seconds();
+double DelayPayoff::PerSecond(const Gradients& g, double seconds) const {
   if (!(seconds > 0)) return 0;
-  double progress = w.total().fresh;
+  double progress = g.fresh;
   for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
-    progress += w.total().stale[level] * worth_.Worth(level);
+    progress += g.stale[level] * worth_.Worth(level);
   }
   return std::isfinite(progress) ? progress / seconds : 0.0;
 }
 
+double DelayPayoff::Pace(const Window& w) const { return PerSecond(w.total(), w.seconds()); }
+
 double DelayPayoff::PaceBetween(const Window& w, size_t from, size_t to) const {
   if (to <= from || to >= w.size()) return 0;
-  const double seconds = w[to].at - w[from].at;
-  if (!(seconds > 0)) return 0;
-  std::array<double, StaleWorth::kLevels + 1> worth{};
-  for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) worth[level] = worth_.Worth(level);
-  double progress = 0;
-  for (size_t i = from + 1; i <= to; ++i) {
-    progress += w[i].gradients.fresh;
-    for (uint32_t level = 1; level <= StaleWorth::kLevels; ++level) {
-      progress += w[i].gradients.stale[level] * worth[level];
-    }
-  }
-  return std::isfinite(progress) ? progress / seconds : 0.0;
+  Gradients sum;
+  for (size_t i = from + 1; i <= to; ++i) Window::Add(sum, w[i].gradients, 1.0);
+  return PerSecond(sum, w[to].at - w[from].at);
 }
 
 bool DelayPayoff::Spans(const Window& w, uint32_t rounds) const {

@@ -120,14 +120,17 @@ class DelayPayoff {
     }
     const Gradients& total() const { return total_; }
     const Sample& operator[](size_t i) const { return samples_[i]; }
+    static void Add(Gradients& to, const Gradients& g, double sign);
 
    private:
-    static void Add(Gradients& to, const Gradients& g, double sign);
     std::deque<Sample> samples_;
     Gradients total_;
   };
   // A trial failed: bsp, and the next trial only after the backoff, which doubles.
   void GiveUp();
+  // What the gradients are worth (fresh ones 1, stale ones their measured worth times the
+  // policy's weight), per second of `seconds`.
+  double PerSecond(const Gradients& g, double seconds) const;
   // Progress per second over the window (the first round only marks the start).
   double Pace(const Window& w) const;
   // The same between rounds `from` and `to` of the window (from only marks the start); it
