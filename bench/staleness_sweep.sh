@@ -17,7 +17,8 @@
 # the same trajectory in every run (each round sums one gradient of each worker, in worker
 # order), and its runs would differ only in when the evaluations land, while a mode that
 # perturbs the order draws a new trajectory each run; the medians would then compare one
-# trajectory of bsp, lucky or not, with a spread of the others. Every job's @train line goes to
+# trajectory of bsp, lucky or not, with a spread of the others. A second batch into the same
+# OUT_DIR needs SEED0=<the first batch's RUNS> (and overwrites its per-run directories). Every job's @train line goes to
 # OUT_DIR/runs.jsonl; the table is computed from that file and can be recomputed with
 #   /usr/bin/python3 bench/staleness_table.py OUT_DIR/runs.jsonl
 set -euo pipefail
@@ -43,10 +44,12 @@ for lr in $lrs; do
         *) echo "unknown scenario '$scenario' (balanced, straggler, churn)" >&2; exit 2 ;;
       esac
       for run in $(seq 1 "$runs"); do
+        seed=$((run + ${SEED0:-0}))
+        [ "$seed" -ge 0 ] || { echo "SEED0=${SEED0:-0} gives seed $seed: seeds are >= 0" >&2; exit 2; }
         cell="lr$lr-c$compute-$scenario-run$run"
         echo "== $cell: $modes" >&2
         "$bin" compare --modes "$modes" --servers 2 --epochs 10 --batch 64 --eval-interval 0.5 \
-          --lr "$lr" --compute-ms "$compute" --seed $((run + ${SEED0:-0})) "${sargs[@]}" \
+          --lr "$lr" --compute-ms "$compute" --seed "$seed" "${sargs[@]}" \
           --out "$out/$cell" \
           | grep '^@train ' | sed 's/^@train //' \
           | /usr/bin/python3 -c '
@@ -55,7 +58,7 @@ for line in sys.stdin:
     r = json.loads(line)
     r.update({"lr": float(sys.argv[1]), "compute_ms": float(sys.argv[2]),
               "cell_scenario": sys.argv[3], "run": int(sys.argv[4]), "seed": int(sys.argv[5])})
-    print(json.dumps(r))' "$lr" "$compute" "$scenario" "$run" "$((run + ${SEED0:-0}))" \
+    print(json.dumps(r))' "$lr" "$compute" "$scenario" "$run" "$seed" \
           >> "$out/runs.jsonl"
       done
     done

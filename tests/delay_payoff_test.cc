@@ -382,8 +382,9 @@ TEST(DelayPayoff, PacesAreMeasuredOverMinSecondsAtLeast) {
   EXPECT_NE(payoff.reason().find("1.50x bsp's 800"), std::string::npos) << payoff.reason();
 }
 
-// A trial whose pace comes from a lucky spell: 1.5x bsp's in its first half, 1.0x in its
-// second, 1.2x over the whole. Each half must gain on its own: it fails, and says so.
+// A trial whose pace comes from a lucky spell: 10 rounds at 1.5x bsp's pace, then 10 at 1.0x,
+// 1.2x over the whole. Split by time (at 62.5 of its 125 ms), its halves gain 1.38x and
+// 1.00x. Each half must gain on its own: it fails, and says so.
 TEST(DelayPayoff, EachHalfOfTheTrialMustGain) {
   DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
@@ -395,7 +396,7 @@ TEST(DelayPayoff, EachHalfOfTheTrialMustGain) {
   job.Rounds(10, 0.0075, 3);  // 400/s
   EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
   EXPECT_NE(payoff.reason().find("back to bsp: delaying gave 480 gradients/s (no stale "
-                                 "gradients), 1.20x bsp's 400 (1.50x and 1.00x in the trial's "
+                                 "gradients), 1.20x bsp's 400 (1.38x and 1.00x in the trial's "
                                  "halves), under the 1.10x it must gain in each"),
             std::string::npos)
       << payoff.reason();

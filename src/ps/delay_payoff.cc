@@ -194,9 +194,12 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   } else if (phase_ == Phase::kTrial && Spans(trial_, opt_.measure_rounds)) {
     const double pace = Pace(trial_);
     const double gain = pace / bsp_pace_;
-    // Each half of the trial on its own must gain too: a pace measured over a second of
-    // noisy rounds passes 1.10x by chance now and then, both halves far more rarely.
-    const size_t half = (trial_.size() - 1) / 2;
+    // Each half of the trial (by time: rounds may close in bursts) must gain on its own too:
+    // a pace measured over a second of noisy rounds passes 1.10x by chance now and then, both
+    // halves far more rarely. Both halves passing implies the whole, their time-weighted mean.
+    size_t half = 1;
+    const double middle = trial_[0].at + trial_.seconds() / 2;
+    while (half + 2 < trial_.size() && trial_[half].at < middle) ++half;
     const double first = PaceBetween(trial_, 0, half) / bsp_pace_;
     const double second = PaceBetween(trial_, half, trial_.size() - 1) / bsp_pace_;
     const std::string worth = WorthOf(trial_);
