@@ -1,4 +1,5 @@
-// What a stale gradient is worth, measured (dsync:auto, docs/contract.md "What delay costs").
+// What a stale gradient is worth, measured (dsync:auto; docs/contract.md, "What a stale
+// gradient is worth, measured").
 //
 // A gradient g computed on an older model points where the model was, not where it is. How
 // much of it still helps is its component along the current true gradient μ, relative to a
@@ -31,8 +32,8 @@ namespace dsync::ps {
 constexpr size_t kAgreementSamples = 4096;
 
 // Adds, for each gradient m of one slice, its d_m over that slice to `dots[m]`, and sets
-// `measured[m]` where it had a fresh partner (k_m > 0) and d_m is finite. `fresh[m]`: whether gradient m is
-// fresh. `round` picks the sample's offset. `scratch` is reused from call to call.
+// `measured[m]` where it had a fresh partner (k_m > 0) and d_m is finite. `fresh[m]`: whether
+// gradient m is fresh. `round` picks the sample's offset. `scratch` is reused from call to call.
 void AddAgreement(std::span<const float* const> grads, std::span<const uint8_t> fresh,
                   size_t elements, uint64_t round, std::vector<double>& scratch,
                   std::span<double> dots, std::span<uint8_t> measured,

@@ -902,6 +902,11 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     explicit LiveView(const std::vector<ServerEntry>& all) : all_(all) {}
     Iterator begin() const { return {all_.data(), all_.data() + all_.size()}; }
     Iterator end() const { return {all_.data() + all_.size(), all_.data() + all_.size()}; }
+    size_t size() const {
+      size_t n = 0;
+      for (Iterator it = begin(); it != end(); ++it) ++n;
+      return n;
+    }
 
    private:
     const std::vector<ServerEntry>& all_;
@@ -1340,9 +1345,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       return;
     }
     // The servers' reports of a round count one round together.
-    size_t live = 0;
-    for (const ServerEntry& s : LiveServers()) live += s.lost ? 0 : 1;
-    const double weight = 1.0 / static_cast<double>(std::max<size_t>(live, 1));
+    const double weight = 1.0 / static_cast<double>(std::max<size_t>(LiveServers().size(), 1));
     if (payoff_->Measured(*rec, agreement_.dots, agreement_.measured, weight)) {
       ++counters_.agreements_measured;
     }

@@ -1011,7 +1011,7 @@ class ServerNode final : public Server, public TransportHandler {
     Agreement agreement;
     std::vector<size_t> member_of;    // per gradient of the slice: its member
     std::vector<uint8_t> fresh_member;  // per member
-    std::vector<uint8_t> host_fresh;
+    std::vector<uint8_t> host_fresh;    // per gradient of the slice
     std::vector<double> host_dots;
     std::vector<uint8_t> host_measured;
     std::vector<double> agreement_scratch;
@@ -1121,15 +1121,22 @@ class ServerNode final : public Server, public TransportHandler {
   }
 
   // dsync:auto weighs what a stale gradient is worth (ps/stale_worth.h): a round that has
-  // both fresh and stale gradients is measured, one that has not says nothing.
-  bool MeasuresAgreement(const PendingRound& r) const {
-    if (!job_.sync.adaptive) return false;
+  // both fresh and stale gradients is measured, one that has not says nothing. Notes which
+  // members are fresh (`fresh_member`) and readies the round's agreement; false when the round
+  // is not measured.
+  bool StartAgreement(const PendingRound& r, RoundScratch& scratch) const {
+    scratch.fresh_member.clear();
     bool fresh = false;
     bool stale = false;
-    for (const RoundEntry& e : r.members) {
-      (Staleness(r.round, e.member.base) == 0 ? fresh : stale) = true;
+    for (size_t m = 0; job_.sync.adaptive && m < r.members.size(); ++m) {
+      const bool is_fresh = Staleness(r.round, r.members[m].member.base) == 0;
+      scratch.fresh_member.push_back(is_fresh ? 1 : 0);
+      (is_fresh ? fresh : stale) = true;
     }
-    return fresh && stale;
+    const bool measure = fresh && stale;
+    scratch.agreement.dots.assign(measure ? r.members.size() : 0, 0.0);
+    scratch.agreement.measured.assign(measure ? r.members.size() : 0, 0);
+    return measure;
   }
 
   // Adds this slice's share of each member's agreement. Only a slice that every member's
@@ -1145,9 +1152,8 @@ class ServerNode final : public Server, public TransportHandler {
           device_memory_->Contains(scratch.grads[j], s.elements * sizeof(float))) {
         return;
       }
-      const bool is_fresh = Staleness(r.round, r.members[scratch.member_of[j]].member.base) == 0;
-      scratch.host_fresh.push_back(is_fresh ? 1 : 0);
-      fresh += is_fresh ? 1 : 0;
+      scratch.host_fresh.push_back(scratch.fresh_member[scratch.member_of[j]]);
+      fresh += scratch.host_fresh.back();
     }
     if (fresh < 2) return;
     scratch.host_dots.assign(scratch.grads.size(), 0.0);
@@ -1194,13 +1200,7 @@ class ServerNode final : public Server, public TransportHandler {
     std::shared_lock lock(slices_mu_);
     uint64_t strays = 0;
     Status failed = Status::Ok();
-    const bool measure = MeasuresAgreement(r);
-    scratch.agreement.dots.assign(measure ? r.members.size() : 0, 0.0);
-    scratch.agreement.measured.assign(measure ? r.members.size() : 0, 0);
-    scratch.fresh_member.clear();
-    for (size_t m = 0; measure && m < r.members.size(); ++m) {
-      scratch.fresh_member.push_back(Staleness(r.round, r.members[m].member.base) == 0 ? 1 : 0);
-    }
+    const bool measure = StartAgreement(r, scratch);
     for (SliceState* s : slice_list_) {
       std::lock_guard slock(s->mu);
       grads.clear();

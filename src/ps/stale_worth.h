@@ -7,9 +7,10 @@
 // are noisy). Older reports fade (exponential forgetting over `memory` rounds per
 // staleness), so the worth follows the job as its learning rate and its landscape change.
 // Until a staleness has been reported in `min_rounds` rounds, its worth is the 1 / (1 + s) of
-// staleness-aware asynchronous SGD. A gradient is never worth more than a fresher one measured (the values
-// are noisy; this keeps the noise from crediting staleness) and its worth lies in [-1, 1]: a
-// stale gradient may point against where the model now goes, and then it costs.
+// staleness-aware asynchronous SGD. A gradient is never worth more than a fresher one that
+// was measured (the values are noisy; this keeps the noise from crediting staleness) and its
+// worth lies in [-1, 1]: a stale gradient may point against where the model now goes, and
+// then it costs.
 // Pure: the scheduler feeds it the reports, the unit tests synthetic ones.
 #pragma once
 
