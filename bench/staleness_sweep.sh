@@ -18,9 +18,11 @@
 # order), and its runs would differ only in when the evaluations land, while a mode that
 # perturbs the order draws a new trajectory each run; the medians would then compare one
 # trajectory of bsp, lucky or not, with a spread of the others. A second batch into the same
-# OUT_DIR needs SEED0=<the first batch's RUNS> (and overwrites its per-run directories). Every job's @train line goes to
-# OUT_DIR/runs.jsonl; the table is computed from that file and can be recomputed with
-#   /usr/bin/python3 bench/staleness_table.py OUT_DIR/runs.jsonl
+# OUT_DIR needs SEED0=<the first batch's RUNS> (and overwrites its per-run directories).
+# Every job's @train line goes to OUT_DIR/runs.jsonl, each run's whole output (dsync:auto's
+# decisions and their reasons among it) to OUT_DIR/CELL.log; the table is computed from
+# runs.jsonl and can be recomputed, over several batches at once, with
+#   /usr/bin/python3 bench/staleness_table.py [--markdown] OUT_DIR/runs.jsonl [MORE.jsonl...]
 set -euo pipefail
 build=${1:-build}
 out=${2:-staleness-out}
@@ -51,7 +53,7 @@ for lr in $lrs; do
         "$bin" compare --modes "$modes" --servers 2 --epochs 10 --batch 64 --eval-interval 0.5 \
           --lr "$lr" --compute-ms "$compute" --seed "$seed" "${sargs[@]}" \
           --out "$out/$cell" \
-          | grep '^@train ' | sed 's/^@train //' \
+          | tee "$out/$cell.log" | grep '^@train ' | sed 's/^@train //' \
           | /usr/bin/python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -4,11 +4,18 @@ mode of bench/staleness_sweep.sh's runs.jsonl, with each mode's "stays >= target
 the baseline's (bsp, or ddp for bench/ddp_compare.sh) in the same cell. A run that never
 stays above the target counts as infinitely late.
 
-    /usr/bin/python3 bench/staleness_table.py [--baseline LABEL] runs.jsonl
+    /usr/bin/python3 bench/staleness_table.py [--baseline LABEL] [--markdown] runs.jsonl...
+
+Several files (batches of the sweep) are read as one. --markdown prints the table as
+docs/benchmarks.md shows it instead of the plain one and the @staleness lines. Each run is
+listed with its rounds and, for dsync:auto where the run's log lies beside runs.jsonl, its
+trials and how many were kept: "15.2 (2671) [1/1]".
 """
 import argparse
 import json
 import math
+import os
+import re
 import statistics
 from collections import defaultdict
 
@@ -24,21 +31,67 @@ def text(v, fmt="{:.1f}"):
     return "never" if v is None or v == math.inf else fmt.format(v)
 
 
+def trials(runs_path, r, cache={}):
+    """dsync:auto's trials in this run and how many were kept ("3/1"), from the run's log
+    beside runs.jsonl (bench/staleness_sweep.sh writes it); None without one."""
+    log = os.path.join(os.path.dirname(runs_path),
+                       f"lr{r['lr']:g}-c{r['compute_ms']:g}-{r['cell_scenario']}-run{r['run']}.log")
+    if log not in cache:
+        # A decision line repeats its phase's reason while the allowances change within the
+        # phase: a trial or a kept delay is counted where its lines begin.
+        counts, label, phase = {}, None, None
+        try:
+            with open(log) as f:
+                for line in f:
+                    m = re.match(r"=== dsyncps compare: (.*) \(\d+/\d+\) ===", line)
+                    if m:
+                        label, phase = m.group(1), None
+                        counts[label] = [0, 0]
+                    elif label and "dsync:auto from round" in line:
+                        now = ("trial" if "trying it for" in line
+                               else "kept" if "it pays" in line else None)
+                        if now and now != phase:
+                            counts[label][0 if now == "trial" else 1] += 1
+                        phase = now
+        except OSError:
+            counts = None
+        cache[log] = counts
+    counts = cache[log]
+    if counts is None or not r["sync"].startswith("dsync:auto"):
+        return None
+    tried, kept = counts.get(r["label"], (0, 0))
+    return f"{tried}/{kept}"
+
+
+def seconds(v):
+    return text(v) if v in (None, math.inf) else text(v) + " s"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--baseline", default="bsp", help="the label each cell's modes are set against")
-    p.add_argument("runs")
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("runs", nargs="+")
     a = p.parse_args()
     base_label = a.baseline
     cells = defaultdict(lambda: defaultdict(list))
     machine = []
-    with open(a.runs) as f:
-        for line in f:
-            r = json.loads(line)
-            cell = (r["lr"], r["compute_ms"], r["cell_scenario"])
-            cells[cell][r["label"]].append(r)
-    print(f"{'lr':>5} {'ms':>3} {'scenario':<10} {'mode':<20} {'runs':>4} {'reach_s':>8} "
-          f"{'stays_s':>8} {'stays/' + base_label:>9} {'final_acc':>9} {'rounds':>7}  stays (each run)")
+    for path in a.runs:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                r["trials"] = trials(path, r)
+                cell = (r["lr"], r["compute_ms"], r["cell_scenario"])
+                cells[cell][r["label"]].append(r)
+    out = []
+    if a.markdown:
+        print("| lr | ms | scenario | mode | stays ≥ target, each run (rounds) | median | ÷ "
+              f"{base_label} | first reach | final acc | rounds |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        out.append(f"{'lr':>5} {'ms':>3} {'scenario':<10} {'mode':<26} {'runs':>4} {'reach_s':>8} "
+          f"{'stays_s':>8} {'stays/' + base_label:>9} {'final_acc':>9} {'rounds':>7}  stays (rounds), each run")
+        print(out[-1])
     for (lr, compute, scenario), modes in sorted(cells.items()):
         base = (median([r["stays_from_s"] for r in modes[base_label]])
                 if base_label in modes else None)
@@ -55,13 +108,27 @@ def main():
                 "final_accuracy": statistics.median(r["final_accuracy"] for r in rs),
                 "rounds": median([r.get("final_version") for r in rs]),
             }
-            each = ", ".join(text(r["stays_from_s"]) for r in rs)
-            print(f"{lr:>5g} {compute:>3g} {scenario:<10} {label:<20} {len(rs):>4} "
+            # Each run with its rounds: a dsync:auto run that closed as many rounds as bsp's
+            # delayed nobody (bsp by another name), one with more delayed somebody; under churn
+            # rounds vary with when the worker died (each run's log says what auto did).
+            # A dsync:auto run's log (beside runs.jsonl) says how many trials it ran and kept:
+            # "[2/1]" after its rounds.
+            each = ", ".join(f"{text(r['stays_from_s'])} ({r.get('final_version', '?')})"
+                             + (f" [{r['trials']}]" if r.get("trials") else "")
+                             for r in rs)
+            rounds = "-" if row["rounds"] is None else format(row["rounds"], "g")
+            if a.markdown:
+                print(f"| {lr:g} | {compute:g} | {scenario} | {label} | {each} | "
+                      f"{seconds(stays)} | {text(ratio, '{:.2f}')} | {seconds(row['reach_s'])} | "
+                      f"{100 * row['final_accuracy']:.2f} % | {rounds} |")
+                continue
+            print(f"{lr:>5g} {compute:>3g} {scenario:<10} {label:<26} {len(rs):>4} "
                   f"{text(row['reach_s']):>8} {text(stays):>8} {text(ratio, '{:.2f}'):>9} "
-                  f"{100 * row['final_accuracy']:>8.2f}% {'-' if row['rounds'] is None else format(row['rounds'], 'g'):>7}  {each}")
+                  f"{100 * row['final_accuracy']:>8.2f}% {rounds:>7}  {each}")
             machine.append("@staleness " + json.dumps(
                 {k: (None if v == math.inf else v) for k, v in row.items()}))
-    print("\n".join(machine))
+    if machine:
+        print("\n".join(machine))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -22,6 +23,14 @@ AutoDecision DelayLast(int workers) {
   AutoDecision d = Bsp(workers);
   d.quorum = static_cast<uint32_t>(workers - 1);
   d.allowance[1000 + workers - 1] = 4;
+  return d;
+}
+
+// Worker `w` is left out of the quorum, allowed 4 rounds.
+AutoDecision DelayWorker(int workers, WorkerId w) {
+  AutoDecision d = Bsp(workers);
+  d.quorum = static_cast<uint32_t>(workers - 1);
+  d.allowance[w] = 4;
   return d;
 }
 
@@ -402,18 +411,98 @@ TEST(DelayPayoff, EachHalfOfTheTrialMustGain) {
       << payoff.reason();
 }
 
-// A straggler whose slowness comes and goes faster than bsp's pace can be measured never
-// gets a trial: the job stays bsp, and says it is measuring.
-TEST(DelayPayoff, AFlappingStragglerIsNeverTried) {
+// bsp's pace measured through a slow spell of the machine: 4 rounds at a quarter of its pace
+// (128 gradients/s), then 16 at its own (512/s), 320/s over the whole; its halves (by time)
+// are the spell and the rest. A trial at 512/s, bsp's own pace, would gain 1.6x against the
+// whole in each half; against the faster half of the measurement it gains nothing, and fails.
+TEST(DelayPayoff, ASlowSpellInBspsMeasurementPassesNoTrial) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  ASSERT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  job.Rounds(1, 1.0 / 32, 4);  // marks the start
+  job.Rounds(4, 1.0 / 32, 4);
+  job.Rounds(16, 1.0 / 128, 4);
+  ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("against bsp's 512 gradients/s (the faster half of its "
+                                 "measurement)"),
+            std::string::npos)
+      << payoff.reason();
+  job.Rounds(o.settle_rounds, 3.0 / 512, 3);
+  job.Rounds(21, 3.0 / 512, 3);  // 512/s
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_NE(payoff.reason().find("back to bsp: delaying gave 512 gradients/s (no stale "
+                                 "gradients), 1.00x bsp's 512"),
+            std::string::npos)
+      << payoff.reason();
+}
+
+// Proposals that change every 50 rounds of 5 ms, each lasting less than bsp's pace takes to
+// measure (1 s), get no trial: the job stays bsp, and says it is measuring.
+void ExpectNeverTried(const std::function<AutoDecision(int period)>& proposal) {
   DelayPayoff payoff({});
   Job job(payoff);
   for (int i = 0; i < 2000; ++i) {
     job.Rounds(1, 0.005, 4);
-    ASSERT_FALSE(Delays(payoff.Gate((i / 50) % 2 ? Bsp(4) : DelayLast(4)))) << i;
+    ASSERT_FALSE(Delays(payoff.Gate(proposal(i / 50)))) << i;
   }
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
   (void)payoff.Gate(DelayLast(4));
   EXPECT_NE(payoff.reason().find("measuring bsp's pace"), std::string::npos) << payoff.reason();
+}
+
+// A straggler whose slowness comes and goes.
+TEST(DelayPayoff, AFlappingStragglerIsNeverTried) {
+  ExpectNeverTried([](int period) { return period % 2 ? Bsp(4) : DelayLast(4); });
+}
+
+// Workers sharing cores look slow by turns: the proposal delays worker 1003, then 1002,
+// then 1003 again. There is no straggler to delay.
+TEST(DelayPayoff, AProposalThatKeepsChangingWhomItDelaysIsNeverTried) {
+  ExpectNeverTried([](int period) { return DelayWorker(4, period % 2 ? 1002 : 1003); });
+}
+
+// A trial measures delaying the workers it started with: once the proposal delays others,
+// it ends as failed, says so, and backs off like any failed trial.
+TEST(DelayPayoff, ATrialWhoseWorkersChangeIsCutShort) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.010);
+  job.Rounds(5, 0.004, 3);
+  EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));  // still worker 1003
+  AutoDecision both = DelayLast(4);
+  both.quorum = 2;
+  both.allowance[1001] = 3;
+  EXPECT_FALSE(Delays(payoff.Gate(both)));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+  EXPECT_NE(payoff.reason().find("the workers to delay changed during the trial, from 1003 to "
+                                 "1001, 1003, after 2 of 20 rounds: noise, not a straggler; "
+                                 "the next trial after round"),
+            std::string::npos)
+      << payoff.reason();
+  job.Rounds(1, 0.010, 4);
+  EXPECT_FALSE(Delays(payoff.Gate(both)));
+  EXPECT_NE(payoff.reason().find("delaying did not pay in the last trial"), std::string::npos)
+      << payoff.reason();
+}
+
+// A trial that has run its course is judged, whoever the proposal delays by then: all its
+// rounds delayed the workers it started with.
+TEST(DelayPayoff, ATrialThatRanItsCourseIsJudgedThoughItsWorkersChange) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.010);  // 400 gradients/s
+  job.Rounds(o.settle_rounds, 0.005, 3);
+  job.Rounds(o.measure_rounds + 1, 0.005, 3);  // 600/s
+  AutoDecision both = DelayLast(4);
+  both.quorum = 2;
+  both.allowance[1001] = 3;
+  EXPECT_TRUE(Delays(payoff.Gate(both)));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+  EXPECT_NE(payoff.reason().find("it pays: 600 gradients/s"), std::string::npos)
+      << payoff.reason();
 }
 
 // The straggler's gradients agree with the fresh ones as well as fresh ones do (its delay

@@ -87,6 +87,10 @@ TEST(StoreFailure, ARoundTheStoreCannotApplyEndsTheJobNamingTheRoundAndSlice) {
       << job.ToString();
   EXPECT_NE(job.message().find("out of device memory (injected)"), std::string::npos)
       << job.ToString();
+  // The scheduler names the server once: the server does not name itself in what it sends.
+  const size_t named = job.message().find("server ");
+  ASSERT_NE(named, std::string::npos) << job.ToString();
+  EXPECT_EQ(job.message().find("server ", named + 1), std::string::npos) << job.ToString();
   ASSERT_EQ(server_done.wait_for(std::chrono::seconds(60)), std::future_status::ready);
   const Status served = server_done.get();
   EXPECT_FALSE(served.ok());

@@ -1,9 +1,12 @@
 #include "ps/delay_payoff.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 namespace dsync::ps {
 namespace {
@@ -12,6 +15,29 @@ bool Delays(const AutoDecision& d) {
   if (d.quorum != SyncMode::kAll) return true;
   return std::any_of(d.allowance.begin(), d.allowance.end(),
                      [](const auto& entry) { return entry.second > 0; });
+}
+
+// Whom a proposal delays: the workers it allows any delay, in id order.
+std::vector<WorkerId> Slow(const AutoDecision& d) {
+  std::vector<WorkerId> slow;
+  for (const auto& [w, allowance] : d.allowance) {
+    if (allowance > 0) slow.push_back(w);
+  }
+  return slow;
+}
+
+bool SameSlow(const AutoDecision& d, const std::vector<WorkerId>& slow) {
+  auto it = slow.begin();
+  for (const auto& [w, allowance] : d.allowance) {
+    if (allowance == 0) continue;
+    if (it == slow.end() || *it != w) return false;
+    ++it;
+  }
+  return it == slow.end();
+}
+
+std::string Names(const std::vector<WorkerId>& workers) {
+  return workers.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(workers, ", "));
 }
 
 AutoDecision AsBsp(const AutoDecision& d) {
@@ -77,6 +103,20 @@ double DelayPayoff::PaceBetween(const Window& w, size_t from, size_t to) const {
   return PerSecond(sum, w[to].at - w[from].at);
 }
 
+std::pair<double, double> DelayPayoff::Halves(const Window& w) const {
+  const double whole = Pace(w);
+  if (w.size() < 3) return {whole, whole};
+  // Split by time, not rounds (rounds may close in bursts): at the first round at or past
+  // the middle. Where one long round spans the middle, a half would be a sliver whose pace
+  // is mostly noise: then both are the whole.
+  const double middle = w[0].at + w.seconds() / 2;
+  size_t half = 1;
+  while (half + 2 < w.size() && w[half].at < middle) ++half;
+  const double share = (w[half].at - w[0].at) / w.seconds();
+  if (!(share >= 0.25 && share <= 0.75)) return {whole, whole};
+  return {PaceBetween(w, 0, half), PaceBetween(w, half, w.size() - 1)};
+}
+
 bool DelayPayoff::Spans(const Window& w, uint32_t rounds) const {
   return w.size() >= rounds + 1u && w.seconds() >= opt_.min_seconds;
 }
@@ -135,16 +175,42 @@ void DelayPayoff::GiveUp() {
   trial_.Clear();
 }
 
+std::string DelayPayoff::reason() const {
+  switch (why_) {
+    case Why::kBackoff:
+      return fmt::format("delaying did not pay in the last trial; the next one after round {}",
+                         retry_after_);
+    case Why::kMeasuringBsp:
+      return fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds, "
+                         "{:.2f} of {:.2f} s)",
+                         why_rounds_, opt_.min_baseline_rounds, why_seconds_, opt_.min_seconds);
+    case Why::kSaid:
+      break;
+  }
+  return reason_;
+}
+
 AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   AutoDecision out = proposal;
+  why_ = Why::kSaid;
   const bool proposes = Delays(proposal);
-  if (proposes && !proposing_ && phase_ == Phase::kBsp && !delaying_) {
-    // Somebody turned slow: bsp's pace before that is not what delaying must beat, or a
-    // straggler that appears mid-job would fail its first trial against the faster rounds
-    // before it. bsp is measured anew, with the straggler.
+  // Whether the proposal delays others than those being measured (bsp's pace, then the
+  // trial, measure delaying these workers).
+  const bool others = proposes && phase_ != Phase::kDelaying && !SameSlow(proposal, tried_);
+  std::vector<WorkerId> was;
+  if (others) {
+    was = std::exchange(tried_, Slow(proposal));
+  } else if (!proposes) {
+    tried_.clear();
+  }
+  if (others && phase_ == Phase::kBsp && !delaying_) {
+    // Somebody turned slow, or the proposal now delays others: bsp's pace before that is not
+    // what delaying them must beat, or a straggler that appears mid-job would fail its first
+    // trial against the faster rounds before it. bsp is measured anew, with them. A proposal
+    // that keeps changing whom it delays (workers sharing cores, each slow by turns) is thus
+    // never tried: there is no straggler to delay.
     bsp_.Clear();
   }
-  proposing_ = proposes;
   if (!proposes) {
     if (phase_ == Phase::kTrial && !Spans(trial_, opt_.measure_rounds)) {
       // The slowness did not last the trial: noise, not a straggler. Counted as a failed
@@ -158,24 +224,38 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
       reason_.clear();
     }
     phase_ = Phase::kBsp;
+  } else if (others && phase_ == Phase::kTrial && !Spans(trial_, opt_.measure_rounds)) {
+    // The trial measures delaying the workers it started with: cut short, it counts as
+    // failed, as does a slowdown that does not last. (One that ran its course is judged.)
+    const size_t measured = trial_.size() > 0 ? trial_.size() - 1 : 0;
+    GiveUp();
+    reason_ = fmt::format("the workers to delay changed during the trial, from {} to {}, after "
+                          "{} of {} rounds: noise, not a straggler; the next trial after "
+                          "round {}",
+                          Names(was), Names(tried_), measured, opt_.measure_rounds,
+                          retry_after_);
+    out = AsBsp(proposal);
   } else if (phase_ == Phase::kBsp) {
     if (rounds_closed_ < retry_after_) {
-      reason_ = fmt::format("delaying did not pay in the last trial; the next one after round {}",
-                            retry_after_);
+      why_ = Why::kBackoff;
       out = AsBsp(proposal);
     } else if (!Spans(bsp_, opt_.min_baseline_rounds) || !(Pace(bsp_) > 0)) {
-      reason_ = fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds, "
-                            "{:.2f} of {:.2f} s)",
-                            bsp_.size() > 0 ? bsp_.size() - 1 : 0, opt_.min_baseline_rounds,
-                            bsp_.seconds(), opt_.min_seconds);
+      why_ = Why::kMeasuringBsp;
+      why_rounds_ = bsp_.size() > 0 ? bsp_.size() - 1 : 0;
+      why_seconds_ = bsp_.seconds();
       out = AsBsp(proposal);
     } else {
-      bsp_pace_ = Pace(bsp_);
+      // What delaying must beat: bsp's pace over the faster half of its measurement. A
+      // measurement that a slow spell of the machine (startup's page faults, an evaluation
+      // beside the job) held down passes a trial that gains nothing; the trial's halves
+      // must each gain (below) for the same reason on its side.
+      const auto [early, late] = Halves(bsp_);
+      bsp_pace_ = std::max(early, late);
       bsp_.Clear();
       trial_.Clear();
       phase_ = Phase::kTrial;
       reason_ = fmt::format("trying it for {} rounds and {:.2f} s at least against bsp's "
-                            "{:.4g} gradients/s",
+                            "{:.4g} gradients/s (the faster half of its measurement)",
                             opt_.measure_rounds, opt_.min_seconds, bsp_pace_);
     }
   } else if (phase_ == Phase::kDelaying) {
@@ -194,14 +274,12 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   } else if (phase_ == Phase::kTrial && Spans(trial_, opt_.measure_rounds)) {
     const double pace = Pace(trial_);
     const double gain = pace / bsp_pace_;
-    // Each half of the trial (by time: rounds may close in bursts) must gain on its own too:
-    // a pace measured over a second of noisy rounds passes 1.10x by chance now and then, both
-    // halves far more rarely. Both halves passing implies the whole, their time-weighted mean.
-    size_t half = 1;
-    const double middle = trial_[0].at + trial_.seconds() / 2;
-    while (half + 2 < trial_.size() && trial_[half].at < middle) ++half;
-    const double first = PaceBetween(trial_, 0, half) / bsp_pace_;
-    const double second = PaceBetween(trial_, half, trial_.size() - 1) / bsp_pace_;
+    // Each half of the trial must gain on its own too: a pace measured over a second of
+    // noisy rounds passes 1.10x by chance now and then, both halves far more rarely. Both
+    // halves passing implies the whole, their time-weighted mean.
+    const auto [early, late] = Halves(trial_);
+    const double first = early / bsp_pace_;
+    const double second = late / bsp_pace_;
     const std::string worth = WorthOf(trial_);
     if (gain >= opt_.min_gain && first >= opt_.min_gain && second >= opt_.min_gain) {
       phase_ = Phase::kDelaying;

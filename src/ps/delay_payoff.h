@@ -20,14 +20,19 @@
 //     then, as the servers' reports trail the rounds;
 //   - the trial's progress per second must be at least `min_gain` times bsp's, over the whole
 //     trial and over each of its halves (a second of noisy rounds passes by chance now and
-//     then; both halves far more rarely); if it is not,
+//     then; both halves far more rarely), where bsp's is its pace over the faster half of its
+//     measurement (a slow spell there would let a trial that gains nothing pass; the faster
+//     of two noisy halves errs high, which only makes trials fail); if it is not,
 //     the job goes back to bsp and tries again only after `backoff_rounds` rounds, doubled
 //     after each failed trial (up to `max_backoff_rounds`), so that a deployment where delay
 //     never pays settles into bsp. A trial cut short because the proposal went back to bsp
-//     (the slowness did not last) counts as failed: flapping from noise backs off alike;
+//     (the slowness did not last) or came to delay other workers counts as failed: flapping
+//     from noise backs off alike. (Before a trial, bsp is measured anew whenever the
+//     proposal changes whom it delays: workers that look slow by turns are never tried.);
 //   - a delay kept is still measured, over the last `measure_rounds` rounds and `min_seconds`,
 //     with the worth measured as it goes on: once its pace
-//     falls below the bsp pace it beat, the job goes back to bsp, measures bsp again and
+//     falls below the bsp pace it beat (that faster half: the trial beat it by min_gain, a
+//     margin for noise), the job goes back to bsp, measures bsp again and
 //     tries again after `backoff_rounds`;
 //   - a join or leave makes the paces measured before incomparable: bsp again, measured anew.
 // A real straggler passes at once (a 3x slower worker holds every bsp round; without it the
@@ -40,6 +45,8 @@
 #include <deque>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dsync/config.h"
 #include "dsync/types.h"
@@ -90,7 +97,9 @@ class DelayPayoff {
 
   Phase phase() const { return phase_; }
   // Why the last Gate decided as it did, for the policy's log line ("" while plain bsp).
-  const std::string& reason() const { return reason_; }
+  // Formatted when asked: Gate runs at every commit, and while bsp's pace is measured or a
+  // backoff runs, its reason changes with every round.
+  std::string reason() const;
 
  private:
   // Gradients of closed rounds: fresh ones, and per staleness level the policy's weights of
@@ -136,8 +145,10 @@ class DelayPayoff {
   // Progress per second over the window (the first round only marks the start).
   double Pace(const Window& w) const;
   // The same between rounds `from` and `to` of the window (from only marks the start); it
-  // walks the rounds, for the once-per-trial check of its halves.
+  // walks the rounds, for the halves, checked once per trial.
   double PaceBetween(const Window& w, size_t from, size_t to) const;
+  // The paces over the window's two halves, split by time.
+  std::pair<double, double> Halves(const Window& w) const;
   // Whether the window spans `rounds` rounds and min_seconds.
   bool Spans(const Window& w, uint32_t rounds) const;
   // The worth of the stale gradients in the window, for the reasons.
@@ -148,14 +159,21 @@ class DelayPayoff {
   StaleWorth worth_;
   Phase phase_ = Phase::kBsp;
   bool delaying_ = false;      // the last decision handed out delays somebody
-  bool proposing_ = false;     // the last proposal delayed somebody
+  // Whom the proposal being measured (bsp's pace, then the trial) delays.
+  std::vector<WorkerId> tried_;
   uint32_t settle_ = 0;        // rounds still to skip after a switch
   Window bsp_;                 // the last rounds closed under bsp
   Window trial_;               // the last rounds closed delaying (the trial, then the delay)
-  double bsp_pace_ = 0;        // bsp's pace when the trial started: what delay must beat
+  double bsp_pace_ = 0;        // bsp's faster half when the trial started: what delay must beat
   uint64_t rounds_closed_ = 0;
   uint64_t retry_after_ = 0;   // no trial before this many rounds have closed
   uint32_t backoff_ = 0;
+  // The reason: one of the two that Gate gives at every commit (their figures, formatted by
+  // reason()), or `reason_`, formatted once when a trial starts or ends.
+  enum class Why { kSaid, kBackoff, kMeasuringBsp };
+  Why why_ = Why::kSaid;
+  size_t why_rounds_ = 0;
+  double why_seconds_ = 0;
   std::string reason_;
 };
 

@@ -1359,9 +1359,30 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     const auto phase = payoff_->phase();
     AutoDecision d = payoff_->Gate(policy_->decision());
     // Logged also when only the proposal or the phase changed: a straggler held at bsp while
-    // bsp's pace is measured, or during a backoff, is said so.
-    if (d == applied_ && phase == payoff_->phase() && !proposal_changed) return;
-    const bool changed = d != applied_;
+    // bsp's pace is measured, or during a backoff, is said so, and so is a trial's verdict.
+    // But where workers share cores, a proposal comes and goes every few rounds (1,500 such
+    // lines in an 18 s job of 4 workers on 2 cores, none of which delayed anybody): lines of
+    // a proposal alone, which change nothing applied, at most once per kQuietPolicyLog.
+    const bool phase_changed = phase != payoff_->phase();
+    if (d == applied_ && !phase_changed && !proposal_changed) return;
+    const auto now = SteadyClock::now();
+    if (d == applied_ && !phase_changed && quiet_logged_ &&
+        now - *quiet_logged_ < kQuietPolicyLog) {
+      ++quiet_skipped_;
+      return;
+    }
+    const std::string why = payoff_->reason();
+    spdlog::info("scheduler: dsync:auto from round {}: {}{}{}{}", rule_.open_round(),
+                 policy_->Describe(d), why.empty() ? "" : ": ", why,
+                 quiet_skipped_ == 0
+                     ? std::string()
+                     : fmt::format(" ({} proposals not logged before this line)",
+                                   quiet_skipped_));
+    quiet_skipped_ = 0;
+    if (d == applied_) {
+      if (!phase_changed) quiet_logged_ = now;
+      return;
+    }
     applied_ = std::move(d);
     for (const auto& [id, allowance] : applied_.allowance) {
       if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
@@ -1372,10 +1393,6 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       for (const auto& [id, allowance] : applied_.allowance) a.push_back({id, allowance});
       journal_.Add({{"k", "auto"}, {"q", applied_.quorum}, {"a", std::move(a)}});
     }
-    const std::string& why = payoff_->reason();
-    spdlog::info("scheduler: dsync:auto from round {}: {}{}{}", rule_.open_round(),
-                 policy_->Describe(applied_), why.empty() ? "" : ": ", why);
-    if (!changed) return;
     ++counters_.policy_changes;
     audit_.Policy(rule_.open_round(), applied_.quorum, applied_.allowance);
   }
@@ -2297,6 +2314,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   RoundRule rule_;
   std::optional<AutoPolicy> policy_;  // dsync:auto: who is slow
   std::optional<DelayPayoff> payoff_;  // dsync:auto: whether delaying them pays
+  // dsync:auto's lines that change nothing applied: when the last was logged, how many since.
+  static constexpr std::chrono::seconds kQuietPolicyLog{5};
+  std::optional<SteadyClock::time_point> quiet_logged_;
+  uint64_t quiet_skipped_ = 0;
   AutoDecision applied_;               // dsync:auto: what the rule follows now
   std::unordered_map<PeerId, PeerInfo> peers_;
   std::unordered_set<PeerId> doomed_;  // refused, being dropped

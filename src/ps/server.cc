@@ -1055,16 +1055,17 @@ class ServerNode final : public Server, public TransportHandler {
                                  : ApplyRound(r, scratch);
       if (!st.ok()) {
         // Never skip: a round this server cannot apply as decided would leave its slices
-        // different from everyone else's. Stop the job and say which gradient it was.
-        st = st.WithContext(fmt::format("server {}", id_.load()));
-        spdlog::error("{}", st.message());
+        // different from everyone else's. Stop the job and say which gradient it was. The
+        // scheduler names the sender itself: the error sent does not.
+        const Status here = st.WithContext(fmt::format("server {}", id_.load()));
+        spdlog::error("{}", here.message());
         FrameHeader about = MakeHeader(MsgType::kRound, id_);
         about.set_round(r.round);
         {
           // First: the disconnect the error leads to must not replace it, and Run waits for
           // the scheduler's answer while it is being sent.
           std::lock_guard lock(mu_);
-          result_ = st;
+          result_ = here;
           error_sent_ = true;
         }
         const bool sent = SendError(*transport_, scheduler_, id_, st, about).ok();
@@ -1530,11 +1531,12 @@ class ServerNode final : public Server, public TransportHandler {
   // Taking the rank over failed: the scheduler goes on without this server. Under mu_.
   void FailTakeover(const Status& why) {
     if (!result_.ok()) return;
-    result_ = why.WithContext(fmt::format("server {} taking over rank {}", id_.load(),
-                                          ServerRank(id_)));
+    // The scheduler names the sender itself: the error sent does not.
+    const Status sent = why.WithContext(fmt::format("taking over rank {}", ServerRank(id_)));
+    result_ = sent.WithContext(fmt::format("server {}", id_.load()));
     spdlog::error("{}", result_.message());
     FrameHeader about = MakeHeader(MsgType::kCopy, id_);
-    error_sent_ = SendError(*transport_, scheduler_, id_, result_, about).ok();
+    error_sent_ = SendError(*transport_, scheduler_, id_, sent, about).ok();
     cv_.notify_all();
   }
 
