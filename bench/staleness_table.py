@@ -12,6 +12,7 @@ listed with its rounds and, for dsync:auto where the run's log lies beside runs.
 trials and how many were kept: "15.2 (2671) [1/1]".
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -31,32 +32,36 @@ def text(v, fmt="{:.1f}"):
     return "never" if v is None or v == math.inf else fmt.format(v)
 
 
-def trials(runs_path, r, cache={}):
+@functools.lru_cache(maxsize=None)
+def log_trials(log):
+    """Per mode label of a run's log: [trials started, delays kept]; None without the log."""
+    # A decision line repeats its phase's reason while the allowances change within the
+    # phase: a trial or a kept delay is counted where its lines begin.
+    counts, label, phase = {}, None, None
+    try:
+        with open(log) as f:
+            for line in f:
+                m = re.match(r"=== dsyncps compare: (.*) \(\d+/\d+\) ===", line)
+                if m:
+                    label, phase = m.group(1), None
+                    counts[label] = [0, 0]
+                elif label and "dsync:auto from round" in line:
+                    now = ("trial" if "trying it for" in line
+                           else "kept" if "it pays" in line else None)
+                    if now and now != phase:
+                        counts[label][0 if now == "trial" else 1] += 1
+                    phase = now
+    except OSError:
+        return None
+    return counts
+
+
+def trials(runs_path, r):
     """dsync:auto's trials in this run and how many were kept ("3/1"), from the run's log
     beside runs.jsonl (bench/staleness_sweep.sh writes it); None without one."""
-    log = os.path.join(os.path.dirname(runs_path),
-                       f"lr{r['lr']:g}-c{r['compute_ms']:g}-{r['cell_scenario']}-run{r['run']}.log")
-    if log not in cache:
-        # A decision line repeats its phase's reason while the allowances change within the
-        # phase: a trial or a kept delay is counted where its lines begin.
-        counts, label, phase = {}, None, None
-        try:
-            with open(log) as f:
-                for line in f:
-                    m = re.match(r"=== dsyncps compare: (.*) \(\d+/\d+\) ===", line)
-                    if m:
-                        label, phase = m.group(1), None
-                        counts[label] = [0, 0]
-                    elif label and "dsync:auto from round" in line:
-                        now = ("trial" if "trying it for" in line
-                               else "kept" if "it pays" in line else None)
-                        if now and now != phase:
-                            counts[label][0 if now == "trial" else 1] += 1
-                        phase = now
-        except OSError:
-            counts = None
-        cache[log] = counts
-    counts = cache[log]
+    counts = log_trials(os.path.join(
+        os.path.dirname(runs_path),
+        f"lr{r['lr']:g}-c{r['compute_ms']:g}-{r['cell_scenario']}-run{r['run']}.log"))
     if counts is None or not r["sync"].startswith("dsync:auto"):
         return None
     tried, kept = counts.get(r["label"], (0, 0))
@@ -83,15 +88,14 @@ def main():
                 r["trials"] = trials(path, r)
                 cell = (r["lr"], r["compute_ms"], r["cell_scenario"])
                 cells[cell][r["label"]].append(r)
-    out = []
     if a.markdown:
         print("| lr | ms | scenario | mode | stays ≥ target, each run (rounds) | median | ÷ "
               f"{base_label} | first reach | final acc | rounds |")
         print("|---|---|---|---|---|---|---|---|---|---|")
     else:
-        out.append(f"{'lr':>5} {'ms':>3} {'scenario':<10} {'mode':<26} {'runs':>4} {'reach_s':>8} "
-          f"{'stays_s':>8} {'stays/' + base_label:>9} {'final_acc':>9} {'rounds':>7}  stays (rounds), each run")
-        print(out[-1])
+        print(f"{'lr':>5} {'ms':>3} {'scenario':<10} {'mode':<26} {'runs':>4} {'reach_s':>8} "
+              f"{'stays_s':>8} {'stays/' + base_label:>9} {'final_acc':>9} {'rounds':>7}  "
+              "stays (rounds), each run")
     for (lr, compute, scenario), modes in sorted(cells.items()):
         base = (median([r["stays_from_s"] for r in modes[base_label]])
                 if base_label in modes else None)
@@ -108,11 +112,9 @@ def main():
                 "final_accuracy": statistics.median(r["final_accuracy"] for r in rs),
                 "rounds": median([r.get("final_version") for r in rs]),
             }
-            # Each run with its rounds: a dsync:auto run that closed as many rounds as bsp's
-            # delayed nobody (bsp by another name), one with more delayed somebody; under churn
-            # rounds vary with when the worker died (each run's log says what auto did).
-            # A dsync:auto run's log (beside runs.jsonl) says how many trials it ran and kept:
-            # "[2/1]" after its rounds.
+            # Each run with its rounds and, for dsync:auto with its log beside runs.jsonl, its
+            # trials and delays kept ("[1/1]"): a dsync:auto run that closed bsp's rounds
+            # delayed nobody; under churn the rounds vary with when the worker died.
             each = ", ".join(f"{text(r['stays_from_s'])} ({r.get('final_version', '?')})"
                              + (f" [{r['trials']}]" if r.get("trials") else "")
                              for r in rs)

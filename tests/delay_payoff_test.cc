@@ -34,6 +34,14 @@ AutoDecision DelayWorker(int workers, WorkerId w) {
   return d;
 }
 
+// Worker 1003 allowed 4 rounds and worker 1001 3: the quorum is the other two.
+AutoDecision DelayLastAnd1001() {
+  AutoDecision d = DelayLast(4);
+  d.quorum = 2;
+  d.allowance[1001] = 3;
+  return d;
+}
+
 bool Delays(const AutoDecision& d) { return d.quorum != SyncMode::kAll; }
 
 // Judged by rounds alone: most tests here close rounds of 5 to 30 ms, whose windows span less
@@ -471,9 +479,7 @@ TEST(DelayPayoff, ATrialWhoseWorkersChangeIsCutShort) {
   StartTrial(payoff, job, 0.010);
   job.Rounds(5, 0.004, 3);
   EXPECT_TRUE(Delays(payoff.Gate(DelayLast(4))));  // still worker 1003
-  AutoDecision both = DelayLast(4);
-  both.quorum = 2;
-  both.allowance[1001] = 3;
+  const AutoDecision both = DelayLastAnd1001();
   EXPECT_FALSE(Delays(payoff.Gate(both)));
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
   EXPECT_NE(payoff.reason().find("the workers to delay changed during the trial, from 1003 to "
@@ -496,9 +502,7 @@ TEST(DelayPayoff, ATrialThatRanItsCourseIsJudgedThoughItsWorkersChange) {
   StartTrial(payoff, job, 0.010);  // 400 gradients/s
   job.Rounds(o.settle_rounds, 0.005, 3);
   job.Rounds(o.measure_rounds + 1, 0.005, 3);  // 600/s
-  AutoDecision both = DelayLast(4);
-  both.quorum = 2;
-  both.allowance[1001] = 3;
+  const AutoDecision both = DelayLastAnd1001();
   EXPECT_TRUE(Delays(payoff.Gate(both)));
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
   EXPECT_NE(payoff.reason().find("it pays: 600 gradients/s"), std::string::npos)

@@ -215,7 +215,7 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
     if (phase_ == Phase::kTrial && !Spans(trial_, opt_.measure_rounds)) {
       // The slowness did not last the trial: noise, not a straggler. Counted as a failed
       // trial, or flapping proposals would each start one and no backoff would ever apply.
-      const size_t measured = trial_.size() > 0 ? trial_.size() - 1 : 0;
+      const size_t measured = trial_.rounds();
       GiveUp();
       reason_ = fmt::format("the slowdown did not last the trial ({} of {} rounds); the next "
                             "trial after round {}",
@@ -227,7 +227,7 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
   } else if (others && phase_ == Phase::kTrial && !Spans(trial_, opt_.measure_rounds)) {
     // The trial measures delaying the workers it started with: cut short, it counts as
     // failed, as does a slowdown that does not last. (One that ran its course is judged.)
-    const size_t measured = trial_.size() > 0 ? trial_.size() - 1 : 0;
+    const size_t measured = trial_.rounds();
     GiveUp();
     reason_ = fmt::format("the workers to delay changed during the trial, from {} to {}, after "
                           "{} of {} rounds: noise, not a straggler; the next trial after "
@@ -241,7 +241,7 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
       out = AsBsp(proposal);
     } else if (!Spans(bsp_, opt_.min_baseline_rounds) || !(Pace(bsp_) > 0)) {
       why_ = Why::kMeasuringBsp;
-      why_rounds_ = bsp_.size() > 0 ? bsp_.size() - 1 : 0;
+      why_rounds_ = bsp_.rounds();
       why_seconds_ = bsp_.seconds();
       out = AsBsp(proposal);
     } else {
@@ -262,7 +262,7 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
     const double pace = Spans(trial_, opt_.measure_rounds) ? Pace(trial_) : bsp_pace_;
     if (pace < bsp_pace_) {
       const std::string worth = WorthOf(trial_);
-      const size_t rounds = trial_.size() - 1;
+      const size_t rounds = trial_.rounds();
       const double seconds = trial_.seconds();
       GiveUp();  // the backoff starts afresh: it was reset when the delay was kept
       reason_ = fmt::format("back to bsp: delaying fell to {:.4g} gradients/s ({}) over the "

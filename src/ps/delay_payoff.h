@@ -121,6 +121,8 @@ class DelayPayoff {
     void PopFront();
     void Clear();
     size_t size() const { return samples_.size(); }
+    // Rounds measured: all but the first, which only marks where the window starts.
+    size_t rounds() const { return samples_.empty() ? 0 : samples_.size() - 1; }
     double seconds() const {
       return samples_.size() < 2 ? 0.0 : samples_.back().at - samples_.front().at;
     }

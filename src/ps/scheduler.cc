@@ -1363,11 +1363,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     // But where workers share cores, a proposal comes and goes every few rounds (1,500 such
     // lines in an 18 s job of 4 workers on 2 cores, none of which delayed anybody): lines of
     // a proposal alone, which change nothing applied, at most once per kQuietPolicyLog.
-    const bool phase_changed = phase != payoff_->phase();
-    if (d == applied_ && !phase_changed && !proposal_changed) return;
+    const bool nothing_applied_changed = d == applied_ && phase == payoff_->phase();
+    if (nothing_applied_changed && !proposal_changed) return;
     const auto now = SteadyClock::now();
-    if (d == applied_ && !phase_changed && quiet_logged_ &&
-        now - *quiet_logged_ < kQuietPolicyLog) {
+    if (nothing_applied_changed && quiet_logged_ && now - *quiet_logged_ < kQuietPolicyLog) {
       ++quiet_skipped_;
       return;
     }
@@ -1379,10 +1378,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                      : fmt::format(" ({} proposals not logged before this line)",
                                    quiet_skipped_));
     quiet_skipped_ = 0;
-    if (d == applied_) {
-      if (!phase_changed) quiet_logged_ = now;
-      return;
-    }
+    if (nothing_applied_changed) quiet_logged_ = now;
+    if (d == applied_) return;
     applied_ = std::move(d);
     for (const auto& [id, allowance] : applied_.allowance) {
       if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
