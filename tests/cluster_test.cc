@@ -382,12 +382,17 @@ struct PaceResult {
   SchedulerStats stats;
 };
 
-PaceResult RunWithStraggler(const char* sync, uint32_t fast_iters = 30) {
+// `budget` (with `finish_percent`): the job's budget of gradients instead of fast_iters, every
+// worker iterating until told to stop.
+PaceResult RunWithStraggler(const char* sync, uint32_t fast_iters = 30, uint64_t budget = 0,
+                            uint32_t finish_percent = 0) {
   constexpr int kWorkers = 4;
   constexpr auto kCompute = std::chrono::milliseconds(6);
   Config cfg = TestConfig(sync, 1, kWorkers);
   cfg.optimizer.kind = OptimizerKind::kSum;
   cfg.slice_bytes = 1024;
+  cfg.max_gradients = budget;
+  cfg.auto_finish_percent = finish_percent;
   LocalCluster cluster(cfg);
   PaceResult result;
   if (!cluster.ok()) return result;
@@ -400,7 +405,12 @@ PaceResult RunWithStraggler(const char* sync, uint32_t fast_iters = 30) {
   std::vector<std::thread> threads;
   for (int r = 0; r < kWorkers; ++r) {
     threads.emplace_back([&, r] {
-      if (r == kWorkers - 1) {  // the straggler: 3x the compute time, until the others finish
+      if (budget > 0) {
+        while (!workers[r]->stop_requested() &&
+               sums[r]->Iterate(r == kWorkers - 1 ? 3 * kCompute : kCompute)) {
+        }
+      } else if (r == kWorkers - 1) {
+        // The straggler: 3x the compute time, until the others finish.
         while (fast_done < kWorkers - 1 && sums[r]->Iterate(3 * kCompute)) {
         }
       } else {
@@ -486,6 +496,50 @@ TEST(Cluster, QuorumAndAutoKeepTheFastWorkersPaceAndApplyEveryStragglerGradient)
     EXPECT_GE(u.max_staleness, 1u);
     EXPECT_LE(u.max_staleness, bound);  // also checked on every round by ExpectRoundInvariants
   }
+}
+
+// dsync:auto with a budget runs its last share as bsp: the straggler was delayed shortly
+// before that share began; once it has (and the gradients already under way have landed),
+// every round holds every worker's gradient, computed on the version before it, up to the
+// budget's last rounds.
+TEST(Cluster, DsyncAutoRunsTheLastShareOfItsBudgetAsBsp) {
+  // The policy needs about 500 gradients (bsp's pace, then a trial; 2 s) before it delays;
+  // then about 700 delayed, and the last 25 % in bsp (100 rounds of the straggler's 18 ms).
+  constexpr uint64_t kBudget = 1600;
+  constexpr uint32_t kPercent = 25;
+  constexpr uint64_t kBspFrom = kBudget - kBudget * kPercent / 100;
+  constexpr size_t kLate = 100;  // rounds before the share in which the delay must be in use
+  const PaceResult run = RunWithStraggler("dsync:auto", 0, kBudget, kPercent);
+  ASSERT_FALSE(HasFailure());
+  ASSERT_FALSE(run.history.empty());
+  uint64_t gradients = 0;
+  std::deque<bool> late;  // the last kLate rounds before the share: each without the straggler?
+  size_t transition = 0;  // rounds after it began that may still hold a stale gradient
+  uint64_t bsp_rounds = 0;
+  for (const RoundRecord& r : run.history) {
+    const bool has_slow = std::any_of(r.members.begin(), r.members.end(), [&](const RoundMember& m) {
+      return m.worker == run.slow_id;
+    });
+    if (gradients < kBspFrom) {
+      late.push_back(!has_slow);
+      if (late.size() > kLate) late.pop_front();
+    } else if (gradients + r.members.size() <= kBudget &&
+               ++transition > SyncMode::kDefaultAutoMax) {
+      // The decision changes at a commit: gradients computed under a delay (each within its
+      // allowance, at most KMAX) may still land in the first rounds after it.
+      ++bsp_rounds;
+      EXPECT_EQ(r.members.size(), 4u) << "round " << r.round;
+      EXPECT_TRUE(has_slow) << "round " << r.round;
+      for (const RoundMember& m : r.members) {
+        EXPECT_EQ(m.base, r.round) << "round " << r.round << " worker " << m.worker;
+      }
+    }
+    gradients += r.members.size();
+  }
+  // The delay was in use shortly before the share: the switch, not a failed trial, ended it.
+  EXPECT_GE(std::count(late.begin(), late.end(), true), 8);
+  EXPECT_GE(bsp_rounds, 80u);  // (1600 - 1200) / 4, less the transition and the budget's end
+  EXPECT_GE(gradients, kBudget);
 }
 
 // --- Observers and the job's gradient budget ---------------------------------------------

@@ -105,6 +105,15 @@ void StartTrial(DelayPayoff& payoff, Job& job, double seconds) {
   ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kTrial);
 }
 
+// The trial of StartTrial (bsp held to 30 ms by the straggler) delays it: rounds of 10 ms,
+// and the delay is kept.
+void KeepDelay(DelayPayoff& payoff, Job& job, const DelayPayoffOptions& o) {
+  StartTrial(payoff, job, 0.030);
+  job.Rounds(o.measure_rounds + o.settle_rounds + 1, 0.010, 3);
+  ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
+  ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+}
+
 TEST(DelayPayoff, WithoutAStragglerNothingIsDelayed) {
   DelayPayoff payoff(ByRounds());
   Job job(payoff);
@@ -153,6 +162,44 @@ TEST(DelayPayoff, AStragglersDelayPaysAndIsKept) {
   EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
   EXPECT_NE(payoff.reason().find("it pays"), std::string::npos) << payoff.reason();
   EXPECT_NE(payoff.reason().find("2.3"), std::string::npos) << payoff.reason();  // 9.25 per 30 ms
+}
+
+// The job's budget nearly spent: a kept delay ends for good, whatever the proposal, and a
+// join or leave does not bring it back; the decision keeps every worker, none delayed.
+TEST(DelayPayoff, TheLastShareOfTheBudgetRunsAsBsp) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  KeepDelay(payoff, job, o);
+  EXPECT_FALSE(payoff.finishing());
+  payoff.Finish(10, 9375);
+  EXPECT_TRUE(payoff.finishing());
+  for (int i = 0; i < 3; ++i) {
+    const AutoDecision d = payoff.Gate(DelayLast(4));
+    EXPECT_EQ(d, Bsp(4));
+    EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+    EXPECT_EQ(payoff.reason(),
+              "the last 10 % of the job's budget of 9375 gradients runs as bsp, so that the "
+              "rounds that step the model last hold every worker's gradient, none stale");
+    // A join or leave, then enough bsp rounds to measure its pace: without Finish, the next
+    // Gate would start a trial.
+    payoff.MembershipChanged();
+    job.Rounds(o.measure_rounds * 2, 0.030, 4);
+  }
+}
+
+// A trial under way ends too; and with nobody proposed for delay it is plain bsp.
+TEST(DelayPayoff, FinishingEndsATrial) {
+  DelayPayoffOptions o = ByRounds();
+  DelayPayoff payoff(o);
+  Job job(payoff);
+  StartTrial(payoff, job, 0.030);
+  job.Rounds(5, 0.010, 3);
+  payoff.Finish(25, 1000);
+  EXPECT_FALSE(Delays(payoff.Gate(DelayLast(4))));
+  EXPECT_EQ(payoff.phase(), DelayPayoff::Phase::kBsp);
+  EXPECT_EQ(payoff.Gate(Bsp(3)), Bsp(3));
+  EXPECT_NE(payoff.reason().find("the last 25 %"), std::string::npos) << payoff.reason();
 }
 
 TEST(DelayPayoff, ADelayThatDoesNotPayIsGivenUpAndRetriedEverMoreRarely) {
@@ -239,10 +286,7 @@ TEST(DelayPayoff, AJoinWhileDelayingMeasuresBspAgain) {
   DelayPayoffOptions o = ByRounds();
   DelayPayoff payoff(o);
   Job job(payoff);
-  StartTrial(payoff, job, 0.030);
-  job.Rounds(o.measure_rounds + o.settle_rounds + 1, 0.010, 3);
-  ASSERT_TRUE(Delays(payoff.Gate(DelayLast(4))));
-  ASSERT_EQ(payoff.phase(), DelayPayoff::Phase::kDelaying);
+  KeepDelay(payoff, job, o);
   ExpectAJoinMeasuresBspAgainAndTriesAgain(payoff, job, o);
 }
 

@@ -220,6 +220,11 @@ struct Config {
   // commit acknowledgement tells its worker to stop (Worker::stop_requested()); 0: the
   // workers decide when they are done.
   uint64_t max_gradients = 0;
+  // Scheduler, dsync:auto with a budget: the last this many percent of max_gradients (rounded
+  // up to whole gradients) run as bsp, whatever the policy proposes, so that the rounds that
+  // step the model last hold every worker's gradient, none stale (docs/contract.md). 0 delays
+  // to the end; the cost is that share of the budget at bsp's pace.
+  uint32_t auto_finish_percent = 10;
   // Worker: join as an observer, a read-only client (an evaluator, a monitor) that pulls
   // the newest model without waiting and never pushes, so it never holds a round.
   bool observer = false;

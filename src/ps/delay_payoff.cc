@@ -167,6 +167,12 @@ void DelayPayoff::MembershipChanged() {
   backoff_ = opt_.backoff_rounds;
 }
 
+void DelayPayoff::Finish(uint32_t percent, uint64_t budget) {
+  finishing_ = true;
+  finish_percent_ = percent;
+  finish_budget_ = budget;
+}
+
 void DelayPayoff::GiveUp() {
   phase_ = Phase::kBsp;
   retry_after_ = rounds_closed_ + backoff_;
@@ -184,6 +190,11 @@ std::string DelayPayoff::reason() const {
       return fmt::format("measuring bsp's pace before trying to delay ({} of {} rounds, "
                          "{:.2f} of {:.2f} s)",
                          why_rounds_, opt_.min_baseline_rounds, why_seconds_, opt_.min_seconds);
+    case Why::kFinishing:
+      return fmt::format("the last {} % of the job's budget of {} gradients runs as bsp, so "
+                         "that the rounds that step the model last hold every worker's "
+                         "gradient, none stale",
+                         finish_percent_, finish_budget_);
     case Why::kSaid:
       break;
   }
@@ -191,6 +202,11 @@ std::string DelayPayoff::reason() const {
 }
 
 AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
+  if (finishing()) {
+    why_ = Why::kFinishing;
+    phase_ = Phase::kBsp;
+    return HandOut(AsBsp(proposal));
+  }
   AutoDecision out = proposal;
   why_ = Why::kSaid;
   const bool proposes = Delays(proposal);
@@ -297,6 +313,10 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
       out = AsBsp(proposal);
     }
   }
+  return HandOut(std::move(out));
+}
+
+AutoDecision DelayPayoff::HandOut(AutoDecision out) {
   const bool delaying = Delays(out);
   if (delaying != delaying_) settle_ = opt_.settle_rounds;
   delaying_ = delaying;

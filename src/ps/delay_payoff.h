@@ -34,7 +34,11 @@
 //     falls below the bsp pace it beat (that faster half: the trial beat it by min_gain, a
 //     margin for noise), the job goes back to bsp, measures bsp again and
 //     tries again after `backoff_rounds`;
-//   - a join or leave makes the paces measured before incomparable: bsp again, measured anew.
+//   - a join or leave makes the paces measured before incomparable: bsp again, measured anew;
+//   - the last share of a job's gradient budget runs as bsp for good (Finish; the scheduler
+//     says when): at a constant learning rate, the model a job ends with still carries the
+//     noise of the rounds that stepped it last, and delayed rounds, short of a worker and
+//     holding stale gradients, leave more of it (docs/design.md).
 // A real straggler passes at once (a 3x slower worker holds every bsp round; without it the
 // rounds close about 3x as often); noise from shared cores does not. Pure: the scheduler
 // feeds it round closes with their times; the unit tests feed synthetic ones.
@@ -87,6 +91,12 @@ class DelayPayoff {
   void RoundClosed(double now, const RoundRecord& round);
   // Workers joined or left: paces measured before are not comparable with those after.
   void MembershipChanged();
+  // The job's budget of `budget` gradients is down to its last `percent`: from now on every
+  // decision is bsp, whatever the proposal or the phase (a trial or a kept delay ends), so
+  // that the rounds that step the model last hold every worker's gradient, none stale. For
+  // good: a join or leave does not undo it.
+  void Finish(uint32_t percent, uint64_t budget);
+  bool finishing() const { return finishing_; }
   // A server's agreement report of a closed round (ps/gradient_agreement.h), counting
   // `weight` of a round (StaleWorth::Add); false when it said nothing.
   bool Measured(const RoundRecord& round, std::span<const double> dots,
@@ -96,7 +106,8 @@ class DelayPayoff {
   const StaleWorth& worth() const { return worth_; }
 
   Phase phase() const { return phase_; }
-  // Why the last Gate decided as it did, for the policy's log line ("" while plain bsp).
+  // Why the last Gate decided as it did, for the policy's log line ("" while plain bsp before
+  // Finish).
   // Formatted when asked: Gate runs at every commit, and while bsp's pace is measured or a
   // backoff runs, its reason changes with every round.
   std::string reason() const;
@@ -141,6 +152,8 @@ class DelayPayoff {
   };
   // A trial failed: bsp, and the next trial only after the backoff, which doubles.
   void GiveUp();
+  // Hands `out` out: whether it delays, and the settling that a switch starts.
+  AutoDecision HandOut(AutoDecision out);
   // What the gradients are worth (fresh ones 1, stale ones their measured worth times the
   // policy's weight), per second of `seconds`.
   double PerSecond(const Gradients& g, double seconds) const;
@@ -170,9 +183,12 @@ class DelayPayoff {
   uint64_t rounds_closed_ = 0;
   uint64_t retry_after_ = 0;   // no trial before this many rounds have closed
   uint32_t backoff_ = 0;
-  // The reason: one of the two that Gate gives at every commit (their figures, formatted by
+  bool finishing_ = false;       // Finish was called: bsp to the end
+  uint32_t finish_percent_ = 0;  // its share of the budget, and the budget, for the reason
+  uint64_t finish_budget_ = 0;
+  // The reason: one of the three that Gate gives at every commit (their figures, formatted by
   // reason()), or `reason_`, formatted once when a trial starts or ends.
-  enum class Why { kSaid, kBackoff, kMeasuringBsp };
+  enum class Why { kSaid, kBackoff, kMeasuringBsp, kFinishing };
   Why why_ = Why::kSaid;
   size_t why_rounds_ = 0;
   double why_seconds_ = 0;

@@ -748,6 +748,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                    "workers to stop",
                    rule_.stats().gradients_committed);
     }
+    // The commit that reaches the budget's last share ends any delay at once, whichever
+    // commits follow (Redecide runs only at commits it can time, joins and leaves).
+    if (MaybeFinish()) Redecide();
     Send(peer, CommitAck(h.request, *entry.last_ack));
     Progress();
   }
@@ -1355,6 +1358,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // whether delaying is tried, kept or given up; a change goes to the rule.
   void Redecide() {
     if (!policy_) return;
+    MaybeFinish();
     const bool proposal_changed = policy_->Decide();
     const auto phase = payoff_->phase();
     AutoDecision d = payoff_->Gate(policy_->decision());
@@ -1392,6 +1396,23 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     ++counters_.policy_changes;
     audit_.Policy(rule_.open_round(), applied_.quorum, applied_.allowance);
+  }
+
+  // dsync:auto with a budget: its last auto_finish_percent runs as bsp (DelayPayoff::Finish).
+  // True when it begins now.
+  bool MaybeFinish() {
+    const uint64_t budget = cfg_.max_gradients;
+    const uint64_t percent = cfg_.auto_finish_percent;
+    if (!payoff_ || payoff_->finishing() || budget == 0 || percent == 0) return false;
+    // budget * percent / 100 rounded up, without overflow; at most the budget (percent <= 100).
+    const uint64_t tail = budget / 100 * percent + (budget % 100 * percent + 99) / 100;
+    const uint64_t committed = prior_gradients_ + rule_.stats().gradients_committed;
+    if (committed < budget - tail) return false;
+    payoff_->Finish(cfg_.auto_finish_percent, budget);
+    spdlog::info("scheduler: dsync:auto from round {}: {} of the job's {} gradients committed; "
+                 "the last {} % runs as bsp",
+                 rule_.open_round(), committed, budget, percent);
+    return true;
   }
 
   // The tensors member m's commit covered (recorded at the commit, oldest first).

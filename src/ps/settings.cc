@@ -282,6 +282,11 @@ constexpr Setting kSettings[] = {
    "the job's budget: once this many gradients are committed every worker is told to stop "
    "(0: the workers decide)", S::kJob, true, false,
    SetUnsigned<&Config::max_gradients, UINT64_MAX>, GetNumber<&Config::max_gradients>},
+  {"DSYNC_AUTO_FINISH", {}, "--auto-finish",
+   "dsync:auto: the last PERCENT of the job's budget (--max-gradients) runs as bsp, so that "
+   "the rounds that step the model last hold every worker's gradient, none stale (0: delay "
+   "to the end)", S::kJob, true, false,
+   SetUnsigned<&Config::auto_finish_percent, 100>, GetNumber<&Config::auto_finish_percent>},
   {"DSYNC_AUDIT_LOG", {}, "--audit-log",
    "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
    false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},
