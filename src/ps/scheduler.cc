@@ -741,8 +741,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       journal_.Add({{"k", "commit"}, {"w", id}, {"c", h.clock()}, {"b", h.base()},
                     {"e", empty}, {"t", std::move(runs)}});
     }
-    if (cfg_.max_gradients && !budget_spent_ &&
-        prior_gradients_ + rule_.stats().gradients_committed >= cfg_.max_gradients) {
+    if (cfg_.max_gradients && !budget_spent_ && JobCommitted() >= cfg_.max_gradients) {
       budget_spent_ = true;
       spdlog::info("scheduler: {} gradients committed, the job's budget; telling the "
                    "workers to stop",
@@ -1398,6 +1397,10 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     audit_.Policy(rule_.open_round(), applied_.quorum, applied_.allowance);
   }
 
+  // The gradients the job's budget counts: those of the checkpoint it started from, and those
+  // committed since.
+  uint64_t JobCommitted() const { return prior_gradients_ + rule_.stats().gradients_committed; }
+
   // dsync:auto with a budget: its last auto_finish_percent runs as bsp (DelayPayoff::Finish).
   // True when it begins now.
   bool MaybeFinish() {
@@ -1406,7 +1409,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     if (!payoff_ || payoff_->finishing() || budget == 0 || percent == 0) return false;
     // budget * percent / 100 rounded up, without overflow; at most the budget (percent <= 100).
     const uint64_t tail = budget / 100 * percent + (budget % 100 * percent + 99) / 100;
-    const uint64_t committed = prior_gradients_ + rule_.stats().gradients_committed;
+    const uint64_t committed = JobCommitted();
     if (committed < budget - tail) return false;
     payoff_->Finish(cfg_.auto_finish_percent, budget);
     spdlog::info("scheduler: dsync:auto from round {}: {} of the job's {} gradients committed; "
@@ -1798,8 +1801,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
           "--resume {}: servers still to register load the checkpoint the job started from",
           cfg_.resume));
     }
-    budget_spent_ = cfg_.max_gradients != 0 &&
-                    prior_gradients_ + rule_.stats().gradients_committed >= cfg_.max_gradients;
+    budget_spent_ = cfg_.max_gradients != 0 && JobCommitted() >= cfg_.max_gradients;
     DSYNC_ASSIGN_OR_RETURN(journal_, JournalFile::Continue(cfg_.resume, read));
     journal_.Add({{"k", "restarted"}, {"round", rounds_announced_}});
     restarted_ = true;
