@@ -392,7 +392,7 @@ PaceResult RunWithStraggler(const char* sync, uint32_t fast_iters = 30, uint64_t
   cfg.optimizer.kind = OptimizerKind::kSum;
   cfg.slice_bytes = 1024;
   cfg.max_gradients = budget;
-  cfg.auto_finish_percent = finish_percent;
+  cfg.finish_bsp_percent = finish_percent;
   LocalCluster cluster(cfg);
   PaceResult result;
   if (!cluster.ok()) return result;
@@ -502,15 +502,17 @@ TEST(Cluster, QuorumAndAutoKeepTheFastWorkersPaceAndApplyEveryStragglerGradient)
 // before that share began; once it has (and the gradients already under way have landed),
 // every round holds every worker's gradient, computed on the version before it, up to the
 // budget's last rounds.
-TEST(Cluster, DsyncAutoRunsTheLastShareOfItsBudgetAsBsp) {
-  // The policy needs about 500 gradients (bsp's pace, then a trial; 2 s) before it delays;
-  // then about 700 delayed, and the last 25 % in bsp (100 rounds of the straggler's 18 ms).
-  constexpr uint64_t kBudget = 1600;
-  constexpr uint32_t kPercent = 25;
-  constexpr uint64_t kBspFrom = kBudget - kBudget * kPercent / 100;
+// Runs `sync` with a 3x straggler, a budget of `budget` gradients and its last `percent` as
+// bsp; checks that the delay was in use in the last rounds before that share (the finish,
+// not something else, ended it) and that after `transition` rounds every round up to the
+// budget holds all 4 workers, each gradient computed on the version before it.
+void ExpectTheLastShareRunsAsBsp(const char* sync, uint64_t budget, uint32_t percent,
+                                 uint32_t transition_rounds) {
+  SCOPED_TRACE(sync);
+  const uint64_t bsp_from = budget - budget * percent / 100;
   constexpr size_t kLate = 100;  // rounds before the share in which the delay must be in use
-  const PaceResult run = RunWithStraggler("dsync:auto", 0, kBudget, kPercent);
-  ASSERT_FALSE(HasFailure());
+  const PaceResult run = RunWithStraggler(sync, 0, budget, percent);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   ASSERT_FALSE(run.history.empty());
   uint64_t gradients = 0;
   std::deque<bool> late;  // the last kLate rounds before the share: each without the straggler?
@@ -520,13 +522,12 @@ TEST(Cluster, DsyncAutoRunsTheLastShareOfItsBudgetAsBsp) {
     const bool has_slow = std::any_of(r.members.begin(), r.members.end(), [&](const RoundMember& m) {
       return m.worker == run.slow_id;
     });
-    if (gradients < kBspFrom) {
+    if (gradients < bsp_from) {
       late.push_back(!has_slow);
       if (late.size() > kLate) late.pop_front();
-    } else if (gradients + r.members.size() <= kBudget &&
-               ++transition > SyncMode::kDefaultAutoMax) {
-      // The decision changes at a commit: gradients computed under a delay (each within its
-      // allowance, at most KMAX) may still land in the first rounds after it.
+    } else if (gradients + r.members.size() <= budget && ++transition > transition_rounds) {
+      // The switch comes at a commit: gradients computed under the delay (each within its
+      // allowance) may still land in the first rounds after it.
       ++bsp_rounds;
       EXPECT_EQ(r.members.size(), 4u) << "round " << r.round;
       EXPECT_TRUE(has_slow) << "round " << r.round;
@@ -536,10 +537,21 @@ TEST(Cluster, DsyncAutoRunsTheLastShareOfItsBudgetAsBsp) {
     }
     gradients += r.members.size();
   }
-  // The delay was in use shortly before the share: the switch, not a failed trial, ended it.
   EXPECT_GE(std::count(late.begin(), late.end(), true), 8);
-  EXPECT_GE(bsp_rounds, 80u);  // (1600 - 1200) / 4, less the transition and the budget's end
-  EXPECT_GE(gradients, kBudget);
+  // (budget - bsp_from) / 4 rounds, less the transition and the budget's end.
+  EXPECT_GE(bsp_rounds, (budget - bsp_from) / 4 - transition_rounds - 10);
+  EXPECT_GE(gradients, budget);
+}
+
+TEST(Cluster, DsyncAutoRunsTheLastShareOfItsBudgetAsBsp) {
+  // The policy needs about 500 gradients (bsp's pace, then a trial; 2 s) before it delays;
+  // then about 700 delayed, and the last 25 % in bsp (100 rounds of the straggler's 18 ms).
+  ExpectTheLastShareRunsAsBsp("dsync:auto", 1600, 25, SyncMode::kDefaultAutoMax);
+}
+
+TEST(Cluster, AFixedModeRunsTheLastShareOfItsBudgetAsBspWhenAsked) {
+  // dsync:2,3 delays the straggler from the first round; the last 25 % of 800 in bsp.
+  ExpectTheLastShareRunsAsBsp("dsync:2,3", 800, 25, 2);
 }
 
 // --- Observers and the job's gradient budget ---------------------------------------------

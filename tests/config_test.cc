@@ -190,6 +190,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   c.slice_bytes = 123456;
   c.staleness = StalenessPolicy::Parse("exp:0.3").value();
   c.max_gradients = 999;
+  c.finish_bsp_percent = 25;
   c.heartbeat_interval_ms = 250;
   c.heartbeat_timeout_ms = 1500;
   c.connect_timeout_ms = 4000;
@@ -224,6 +225,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   EXPECT_EQ(back.slice_bytes, c.slice_bytes);
   EXPECT_EQ(back.staleness, c.staleness);
   EXPECT_EQ(back.max_gradients, 999u);
+  EXPECT_EQ(back.finish_bsp_percent, 25u);
   EXPECT_EQ(back.heartbeat_interval_ms, 250u);
   EXPECT_EQ(back.heartbeat_timeout_ms, 1500u);
   EXPECT_EQ(back.connect_timeout_ms, 4000u);
@@ -408,6 +410,25 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
   EXPECT_FALSE(Config::FromEnvironment({{"DSYNC_PIN_HEAP", "0"}}).value().pin_heap);
 }
 
+TEST(ConfigEnvironment, TheFinishAsBspDefaultsByModeAndIsAPercentage) {
+  // Unset, dsync:auto finishes its budget's last 10 % as bsp and a fixed mode delays to the end.
+  Config c;
+  c.sync = SyncMode::Auto();
+  EXPECT_EQ(c.FinishBspPercent(), kAutoFinishPercent);
+  c.sync = SyncMode::Dsync(2, 3);
+  EXPECT_EQ(c.FinishBspPercent(), 0u);
+  auto set = Config::FromEnvironment({{"DSYNC_SYNC", "dsync:2,3"}, {"DSYNC_FINISH_BSP", "15"}});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->FinishBspPercent(), 15u);
+  auto off = Config::FromEnvironment({{"DSYNC_SYNC", "dsync:auto"}, {"DSYNC_FINISH_BSP", "0"}});
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  EXPECT_EQ(off->FinishBspPercent(), 0u);
+  auto bad = Config::FromEnvironment({{"DSYNC_FINISH_BSP", "101"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("DSYNC_FINISH_BSP"), std::string::npos)
+      << bad.status().message();
+}
+
 TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {
   for (const char* text : {"1e999", "-1e999", "1e-999"}) {
     auto c = Config::FromEnvironment({{"DSYNC_LR", text}});
@@ -487,6 +508,10 @@ TEST(ConfigValidate, RefusesWhatCannotRun) {
   c = WithToken();
   c.heartbeat_timeout_ms = c.heartbeat_interval_ms;
   EXPECT_NE(c.Validate().message().find("heartbeat timeout"), std::string::npos);
+  c = WithToken();
+  c.finish_bsp_percent = 150;  // set in code, past the parser's check
+  EXPECT_NE(c.Validate().message().find("--finish-bsp (DSYNC_FINISH_BSP) 150"), std::string::npos)
+      << c.Validate().ToString();
   // Names that are none of the choices are refused where they are read.
   for (const auto& [var, text, choices] :
        {std::tuple{"DSYNC_TRANSPORT", "infiniband", "not one of tcp, rdma, auto"},

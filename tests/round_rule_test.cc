@@ -233,6 +233,62 @@ TEST(RoundRule, RejectsMalformedEvents) {
   EXPECT_EQ(rule.Remove(2000, true).status().code(), StatusCode::kNotFound);
 }
 
+TEST(RoundRule, FinishAsBspWaitsForEveryWorkerFromThenOn) {
+  RoundRule rule(Mode("dsync:2,2"));
+  for (WorkerId w = 1000; w < 1003; ++w) ASSERT_TRUE(rule.Join(w, true).ok());
+  // Before: rounds close with two of three workers; 1002 computes on version 0.
+  ASSERT_TRUE(rule.Begin(1002, 0, 0).ok());
+  ASSERT_TRUE(rule.Commit(1000, 0, 0).ok());
+  ASSERT_TRUE(rule.Commit(1001, 0, 0).ok());
+  ASSERT_EQ(rule.CloseReady().size(), 1u);
+  ASSERT_TRUE(rule.FinishAsBsp().ok());
+  EXPECT_TRUE(rule.finished_as_bsp());
+  // Round 1 now waits for 1002 too, though 1002's gradient of version 0 would stay within
+  // the bound in round 2.
+  auto c0 = rule.Commit(1000, 1, 1);
+  ASSERT_TRUE(c0.ok());
+  EXPECT_EQ(c0->gate, 2u);  // no allowance: the next pull waits for round 1 itself
+  ASSERT_TRUE(rule.Commit(1001, 1, 1).ok());
+  EXPECT_TRUE(rule.CloseReady().empty());
+  // A joiner gets no allowance either: its first pull waits for the round it counts from.
+  auto a = rule.Join(1003, false);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->join_round, 2u);
+  EXPECT_EQ(a->gate, 2u);
+  // 1002's gradient, granted under the old bound, lands with the staleness it was granted.
+  auto late = rule.Commit(1002, 0, 0);
+  ASSERT_TRUE(late.ok());
+  EXPECT_EQ(late->round, 1u);
+  EXPECT_EQ(late->gate, 2u);
+  auto rounds = rule.CloseReady();
+  ASSERT_EQ(rounds.size(), 1u);
+  EXPECT_EQ(rounds[0].members.size(), 3u);
+  EXPECT_EQ(rounds[0].quorum_needed, 3u);
+  EXPECT_EQ(rounds[0].members[2], (RoundMember{1002, 0, 0}));
+}
+
+TEST(RoundRule, FinishAsBspHoldsAndNeedsRounds) {
+  RoundRule autorule(Mode("dsync:auto:3"));
+  ASSERT_TRUE(autorule.Join(1000, true).ok());
+  ASSERT_TRUE(autorule.SetAllowance(1000, 2).ok());
+  ASSERT_TRUE(autorule.SetQuorum(1).ok());
+  ASSERT_TRUE(autorule.FinishAsBsp().ok());
+  // dsync:auto's decisions after it may only restate bsp.
+  EXPECT_TRUE(autorule.SetAllowance(1000, 0).ok());
+  EXPECT_TRUE(autorule.SetQuorum(SyncMode::kAll).ok());
+  Status raise = autorule.SetAllowance(1000, 1);
+  EXPECT_EQ(raise.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(raise.message().find("runs as bsp"), std::string::npos) << raise.ToString();
+  EXPECT_EQ(autorule.SetQuorum(1).code(), StatusCode::kFailedPrecondition);
+  for (const char* mode : {"asp", "ssp:2"}) {
+    RoundRule rule(Mode(mode));
+    Status s = rule.FinishAsBsp();
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << mode;
+    EXPECT_NE(s.message().find("only round modes"), std::string::npos) << s.ToString();
+    EXPECT_FALSE(rule.finished_as_bsp());
+  }
+}
+
 // --- property tests -----------------------------------------------------------------------
 
 // Simulated cluster around one RoundRule. Workers cycle pull -> compute -> commit; a pull
@@ -240,8 +296,8 @@ TEST(RoundRule, RejectsMalformedEvents) {
 // rounds with a random lag.
 class Simulation {
  public:
-  Simulation(SyncMode mode, uint32_t seed)
-      : mode_(mode), rule_(mode), rng_(seed), quorum_(mode.quorum) {}
+  Simulation(SyncMode mode, uint32_t seed, bool finish = false)
+      : mode_(mode), rule_(mode), rng_(seed), quorum_(mode.quorum), may_finish_(finish) {}
 
   void JoinWorker(bool initial) {
     const WorkerId id = next_id_++;
@@ -252,6 +308,7 @@ class Simulation {
     w.start_clock = a->start_clock;
     w.gate = a->gate;
     w.gate_known = true;
+    if (finished_) fresh_from_[id] = a->start_clock;
     // Straggler-ish speeds: a few workers are much slower.
     std::uniform_int_distribution<int> speed(1, 10);
     w.weight = speed(rng_) <= 2 ? 1 : 8;
@@ -282,6 +339,10 @@ class Simulation {
     }
     if (mode_.adaptive && coin(rng_) < 3) {
       RandomPolicy();
+      return true;
+    }
+    if (may_finish_ && !finished_ && std::uniform_int_distribution<int>(0, 999)(rng_) == 0) {
+      Finish();
       return true;
     }
     if (ready.empty() && !can_apply) return false;
@@ -317,6 +378,8 @@ class Simulation {
   }
 
   uint64_t rounds() const { return rule_.open_round(); }
+  bool finished() const { return finished_; }
+  uint64_t fresh_checked() const { return fresh_checked_; }
   uint64_t gradients() const { return committed_.size(); }
   uint32_t max_staleness() const { return rule_.stats().max_staleness; }
 
@@ -363,12 +426,23 @@ class Simulation {
     Collect();
   }
 
+  // The job's last share as bsp: every gradient a worker computes after the one it was
+  // pulling or computing for must be fresh, and every round needs every worker.
+  void Finish() {
+    ASSERT_TRUE(rule_.FinishAsBsp().ok());
+    finished_ = true;
+    quorum_ = SyncMode::kAll;
+    for (const auto& [id, w] : workers_) fresh_from_[id] = w.clock + 1;
+    Collect();
+  }
+
   // dsync:auto: the policy may hand out any allowance up to the maximum and any quorum at
-  // any moment; the invariants must not depend on what it decides.
+  // any moment; the invariants must not depend on what it decides (after the finish, only
+  // bsp's).
   void RandomPolicy() {
-    std::uniform_int_distribution<uint32_t> allow(0, mode_.bound);
+    std::uniform_int_distribution<uint32_t> allow(0, finished_ ? 0 : mode_.bound);
     for (const auto& [id, w] : workers_) ASSERT_TRUE(rule_.SetAllowance(id, allow(rng_)).ok());
-    std::uniform_int_distribution<uint32_t> q(0, static_cast<uint32_t>(workers_.size()));
+    std::uniform_int_distribution<uint32_t> q(0, finished_ ? 0 : static_cast<uint32_t>(workers_.size()));
     quorum_ = q(rng_);  // 0 is SyncMode::kAll
     ASSERT_TRUE(rule_.SetQuorum(quorum_).ok());
     Collect();
@@ -426,6 +500,11 @@ class Simulation {
           EXPECT_LE(r.round - m.base, mode_.bound)
               << "worker " << m.worker << " clock " << m.clock << " in round " << r.round;
         }
+        if (auto f = fresh_from_.find(m.worker); f != fresh_from_.end() && m.clock >= f->second) {
+          ++fresh_checked_;
+          EXPECT_EQ(m.base, r.round) << "worker " << m.worker << " clock " << m.clock
+                                     << ": stale after the finish as bsp";
+        }
         // Per-worker order.
         auto [it, fresh] = last_clock_.try_emplace(m.worker, m.clock);
         if (!fresh) {
@@ -471,16 +550,22 @@ class Simulation {
   std::map<std::pair<WorkerId, Clock>, Round> placed_;
   std::map<WorkerId, Clock> last_clock_;
   uint32_t quorum_;  // the quorum in force (dsync:auto changes it)
+  bool may_finish_;
+  bool finished_ = false;
+  std::map<WorkerId, Clock> fresh_from_;  // after the finish: clocks from which fresh
+  uint64_t fresh_checked_ = 0;
 };
 
 struct PropertyCase {
   const char* mode;
   uint32_t workers;
   bool membership;
+  bool finish = false;  // the last share as bsp, at a random moment
 };
 
 void PrintTo(const PropertyCase& c, std::ostream* os) {
-  *os << c.mode << " with " << c.workers << " workers" << (c.membership ? " and churn" : "");
+  *os << c.mode << " with " << c.workers << " workers" << (c.membership ? " and churn" : "")
+      << (c.finish ? ", finishing as bsp" : "");
 }
 
 class RoundRuleProperty : public ::testing::TestWithParam<PropertyCase> {};
@@ -489,17 +574,26 @@ TEST_P(RoundRuleProperty, InvariantsHoldOverRandomArrivalOrders) {
   const PropertyCase& pc = GetParam();
   uint64_t rounds = 0;
   uint32_t max_staleness = 0;
+  uint32_t finished = 0;
+  uint64_t fresh_checked = 0;
   for (uint32_t seed = 1; seed <= 40; ++seed) {
     SCOPED_TRACE("seed " + std::to_string(seed));
-    Simulation sim(Mode(pc.mode), seed);
+    Simulation sim(Mode(pc.mode), seed, pc.finish);
     for (uint32_t i = 0; i < pc.workers; ++i) sim.JoinWorker(true);
     sim.Run(3000, pc.membership);
     if (HasFatalFailure()) return;
+    finished += sim.finished() ? 1 : 0;
+    fresh_checked += sim.fresh_checked();
     sim.Drain();
     rounds += sim.rounds();
     max_staleness = std::max(max_staleness, sim.max_staleness());
   }
   EXPECT_GT(rounds, 40u * 50u) << "the simulation made too little progress to mean much";
+  if (pc.finish) {
+    // Most seeds finish (1 in 1000 steps) and then check many gradients for freshness.
+    EXPECT_GE(finished, 20u);
+    EXPECT_GT(fresh_checked, 40u * 100u);
+  }
   const SyncMode mode = Mode(pc.mode);
   if (mode.kind == SyncKind::kRound && mode.bound > 0 &&
       (mode.quorum != SyncMode::kAll || mode.adaptive)) {
@@ -515,14 +609,18 @@ INSTANTIATE_TEST_SUITE_P(
                       PropertyCase{"dsync:2,3", 4, false}, PropertyCase{"dsync:2,3", 4, true},
                       PropertyCase{"dsync:4,1", 6, true}, PropertyCase{"ssp:2", 4, false},
                       PropertyCase{"ssp:0", 3, true}, PropertyCase{"asp", 4, true},
-                      PropertyCase{"dsync:auto", 4, false}, PropertyCase{"dsync:auto:2", 5, true}),
+                      PropertyCase{"dsync:auto", 4, false}, PropertyCase{"dsync:auto:2", 5, true},
+                      PropertyCase{"dsync:2,3", 4, false, true},
+                      PropertyCase{"dsync:4,1", 6, true, true},
+                      PropertyCase{"dsync:auto:3", 5, true, true}),
     [](const auto& param_info) {
       const PropertyCase& p = param_info.param;
       std::string name = p.mode;
       for (char& ch : name) {
         if (ch == ':' || ch == ',') ch = '_';
       }
-      return name + "_w" + std::to_string(p.workers) + (p.membership ? "_churn" : "");
+      return name + "_w" + std::to_string(p.workers) + (p.membership ? "_churn" : "") +
+             (p.finish ? "_finish" : "");
     });
 
 }  // namespace

@@ -241,7 +241,7 @@ bool Interesting(int worker, std::string_view line) {
   };
   if (has({"[warning]", "[error]", "error:"})) return true;
   if (worker >= 0) return has({"leaving at round", "injected failure"});
-  return has({"scheduler: worker", "dsync:auto", "budget"});
+  return has({"scheduler: worker", "dsync:auto", "budget", "runs as bsp"});
 }
 
 // spdlog's "[2026-12-02 17:14:35.963] " prefix: the progress line already tells the time.

@@ -177,6 +177,9 @@ inline constexpr uint64_t kCopyChunkBytes = 64ull << 20;
 // times its usual quota meanwhile.
 inline constexpr uint32_t kTakeoverStagingFactor = 4;
 
+// dsync:auto's default share of a job's budget run as bsp at its end (Config::finish_bsp_percent).
+inline constexpr uint32_t kAutoFinishPercent = 10;
+
 struct Config {
   Role role = Role::kWorker;
 
@@ -220,11 +223,17 @@ struct Config {
   // commit acknowledgement tells its worker to stop (Worker::stop_requested()); 0: the
   // workers decide when they are done.
   uint64_t max_gradients = 0;
-  // Scheduler, dsync:auto with a budget: the last this many percent of max_gradients (rounded
-  // up to whole gradients) run as bsp, whatever the policy proposes, so that the rounds that
-  // step the model last hold every worker's gradient, none stale (docs/contract.md). 0 delays
-  // to the end; the cost is that share of the budget at bsp's pace.
-  uint32_t auto_finish_percent = 10;
+  // Scheduler, round modes with a budget: the last this many percent of max_gradients
+  // (rounded up to whole gradients) run as bsp (quorum all, no allowance), whatever the mode
+  // or dsync:auto's policy would do, so that the rounds that step the model last hold every
+  // worker's gradient, none stale (docs/contract.md). 0 delays to the end; the cost is that
+  // share of the budget at bsp's pace. Unset: FinishBspPercent()'s default for the mode.
+  std::optional<uint32_t> finish_bsp_percent;
+  // finish_bsp_percent, or its default: kAutoFinishPercent under dsync:auto, which chose its
+  // delay itself; 0 under dsync:K,Q, whose delay the user chose explicitly.
+  uint32_t FinishBspPercent() const {
+    return finish_bsp_percent.value_or(sync.adaptive ? kAutoFinishPercent : 0);
+  }
   // Worker: join as an observer, a read-only client (an evaluator, a monitor) that pulls
   // the newest model without waiting and never pushes, so it never holds a round.
   bool observer = false;

@@ -480,6 +480,11 @@ Status Config::Validate() const {
                  "({}): each copy of a slice lives on a server of its own",
                  replicas, num_servers);
   }
+  if (finish_bsp_percent && *finish_bsp_percent > 100) {
+    return Error(StatusCode::kInvalidArgument,
+                 "--finish-bsp (DSYNC_FINISH_BSP) {} is a share of the budget: 0 to 100",
+                 *finish_bsp_percent);
+  }
   if (num_workers == 0) {
     return Error(StatusCode::kInvalidArgument, "the job needs at least one worker (num_workers)");
   }

@@ -59,7 +59,7 @@ Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
     return Error(StatusCode::kAlreadyExists, "worker {} has already joined", id);
   }
   WorkerState w;
-  w.bound = mode_.adaptive ? 0 : mode_.bound;
+  w.bound = mode_.adaptive || finished_ ? 0 : mode_.bound;
   // A new worker's clocks continue from the slowest live worker, so that ssp gates of the
   // others never wait for clocks it will not produce.
   std::optional<Clock> min_clock;
@@ -186,6 +186,11 @@ Status RoundRule::SetAllowance(WorkerId id, uint32_t allowance) {
   if (it == workers_.end() || !it->second.live) {
     return Error(StatusCode::kNotFound, "worker {} is not a live member", id);
   }
+  if (finished_ && allowance > 0) {
+    return Error(StatusCode::kFailedPrecondition,
+                 "the job's last share runs as bsp: worker {} cannot get allowance {}", id,
+                 allowance);
+  }
   it->second.bound = allowance;
   return Status::Ok();
 }
@@ -194,7 +199,25 @@ Status RoundRule::SetQuorum(uint32_t quorum) {
   if (!mode_.adaptive) {
     return Error(StatusCode::kFailedPrecondition, "a changing quorum needs dsync:auto");
   }
+  if (finished_ && quorum != SyncMode::kAll) {
+    return Error(StatusCode::kFailedPrecondition,
+                 "the job's last share runs as bsp: the quorum stays all, not {}", quorum);
+  }
   mode_.quorum = quorum;
+  return Status::Ok();
+}
+
+Status RoundRule::FinishAsBsp() {
+  if (!RoundMode()) {
+    return Error(StatusCode::kFailedPrecondition,
+                 "only round modes finish as bsp: ssp and asp have no rounds to wait in");
+  }
+  finished_ = true;
+  mode_.quorum = SyncMode::kAll;
+  // Lowering allowances only makes rounds wait longer (see the header): the bound holds.
+  for (auto& [id, w] : workers_) {
+    if (w.live) w.bound = 0;
+  }
   return Status::Ok();
 }
 

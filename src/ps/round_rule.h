@@ -20,6 +20,9 @@
 // D_w can only make rounds wait longer, raising it only lets them close earlier: staleness
 // stays <= the allowance in force when the gradient's base was granted, so <= D.
 //
+// The finish (FinishAsBsp, either kind of round mode): from then on every D_w = 0 and Q =
+// all, for good, joiners included; by the same argument the bound holds across it.
+//
 // ssp:K and asp. Every commit is placed in a round of its own at once ("applied on
 // arrival"). asp pulls never wait; an ssp pull at clock c waits until every live worker has
 // committed its gradients of clocks < c - K (and they are in decided rounds).
@@ -97,8 +100,15 @@ class RoundRule {
 
   // dsync:auto only: w's delay allowance (<= the mode's maximum bound) and the quorum
   // (SyncMode::kAll or a count). FailedPrecondition in any other mode.
+  // After FinishAsBsp only 0 and kAll: the finish holds to the end.
   Status SetAllowance(WorkerId w, uint32_t allowance);
   Status SetQuorum(uint32_t quorum);
+  // Round modes (fixed or dsync:auto): from the open round on, every live worker is waited
+  // for and none has an allowance, joiners included: rounds close as bsp's to the end of the
+  // job. Gradients whose bases were granted under the old allowances keep their staleness
+  // (<= D) and land in the first rounds after it. FailedPrecondition in ssp and asp.
+  Status FinishAsBsp();
+  bool finished_as_bsp() const { return finished_; }
 
   // Closes every round that may close now, oldest first.
   std::vector<RoundRecord> CloseReady();
@@ -141,6 +151,7 @@ class RoundRule {
   void ReleaseSspGates();
 
   SyncMode mode_;
+  bool finished_ = false;  // FinishAsBsp was called
   Round open_round_ = 0;
   Round start_round_ = 0;  // StartAt: the version the job started from
   Clock start_clock_ = 0;  // StartAt: the first workers' first clock

@@ -104,6 +104,9 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       if (!cfg_.resume.empty()) DSYNC_RETURN_IF_ERROR(Resume());
       if (!cfg_.journal.empty()) DSYNC_RETURN_IF_ERROR(StartJournal());
     }
+    // A job resumed past the share (or finishing all of it) runs as bsp from its first round;
+    // a restarted scheduler whose journal lost the switch with its torn tail switches now.
+    MaybeFinish();
     if (!cfg_.checkpoint_dir.empty()) {
       // Said now rather than when the first checkpoint is due.
       std::error_code ec;
@@ -112,6 +115,15 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
         return Error(StatusCode::kInvalidArgument, "--checkpoint-dir {}: cannot create it: {}",
                      cfg_.checkpoint_dir, ec.message());
       }
+    }
+    if (cfg_.finish_bsp_percent && *cfg_.finish_bsp_percent > 0 &&
+        (!Delays() || cfg_.max_gradients == 0)) {
+      spdlog::warn("scheduler: --finish-bsp {} changes nothing in this job: {}",
+                   *cfg_.finish_bsp_percent,
+                   !Delays() ? fmt::format("{} has no delay to end (only dsync:K[,Q] with K "
+                                           "> 0 and dsync:auto finish as bsp)",
+                                           cfg_.sync.ToString())
+                             : std::string("it has no budget (--max-gradients) to know its end by"));
     }
     if (cfg_.token.empty()) {
       spdlog::warn("scheduler: running without a cluster token (--insecure): anyone who can "
@@ -1401,21 +1413,46 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // committed since.
   uint64_t JobCommitted() const { return prior_gradients_ + rule_.stats().gradients_committed; }
 
-  // dsync:auto with a budget: its last auto_finish_percent runs as bsp (DelayPayoff::Finish).
-  // True when it begins now.
+  // A round mode that delays (dsync:K,Q or dsync:auto) with a budget: its last
+  // Config::FinishBspPercent() runs as bsp. True when it begins now.
   bool MaybeFinish() {
     const uint64_t budget = cfg_.max_gradients;
-    const uint64_t percent = cfg_.auto_finish_percent;
-    if (!payoff_ || payoff_->finishing() || budget == 0 || percent == 0) return false;
+    const uint64_t percent = cfg_.FinishBspPercent();
+    if (rule_.finished_as_bsp() || budget == 0 || percent == 0 || !Delays()) return false;
     // budget * percent / 100 rounded up, without overflow; at most the budget (percent <= 100).
     const uint64_t tail = budget / 100 * percent + (budget % 100 * percent + 99) / 100;
     const uint64_t committed = JobCommitted();
     if (committed < budget - tail) return false;
-    payoff_->Finish(cfg_.auto_finish_percent, budget);
-    spdlog::info("scheduler: dsync:auto from round {}: {} of the job's {} gradients committed; "
-                 "the last {} % runs as bsp",
-                 rule_.open_round(), committed, budget, percent);
+    if (Status s = FinishAsBsp(); !s.ok()) {
+      spdlog::error("scheduler: the last {} % of the budget cannot run as bsp: {}", percent,
+                    s.message());
+      return false;
+    }
+    if (journal_.open()) journal_.Add({{"k", "finish"}});
+    if (!payoff_) {
+      // dsync:auto's decision that follows is audited as every other; a fixed mode's here.
+      std::map<WorkerId, uint32_t> none;
+      for (const auto& [id, w] : workers_) {
+        if (rule_.is_live(id)) none[id] = 0;
+      }
+      audit_.Policy(rule_.open_round(), SyncMode::kAll, none);
+    }
+    spdlog::info("scheduler: {} from round {}: {} of the job's {} gradients committed; the "
+                 "last {} % runs as bsp",
+                 cfg_.sync.ToString(), rule_.open_round(), committed, budget, percent);
     return true;
+  }
+
+  // Whether the job's mode may close a round without a worker or with a stale gradient.
+  bool Delays() const {
+    return cfg_.sync.kind == SyncKind::kRound && (cfg_.sync.adaptive || cfg_.sync.bound > 0);
+  }
+
+  // Every round from the open one on as bsp's, and dsync:auto's decisions bsp for good.
+  Status FinishAsBsp() {
+    DSYNC_RETURN_IF_ERROR(rule_.FinishAsBsp());
+    if (payoff_) payoff_->Finish(cfg_.FinishBspPercent(), cfg_.max_gradients);
+    return Status::Ok();
   }
 
   // The tensors member m's commit covered (recorded at the commit, oldest first).
@@ -1609,7 +1646,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     m.num_servers = cfg_.num_servers;
     m.replicas = cfg_.replicas;
     m.slice_bytes = cfg_.slice_bytes;
-    m.sync = rule_.mode().ToString();
+    m.sync = cfg_.sync.ToString();  // the job's, not the quorum dsync:auto or a finish set
     m.gradients_committed = prior_gradients_ + gradients_in_rounds_;
     m.clock = ResumeClock();
     m.learning_rate = learning_rate_;
@@ -1886,6 +1923,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
       wit->second.last_ack = CommitAnswer{clock, res.round, res.gate.value_or(kNoGate)};
       return Status::Ok();
     }
+    if (kind == "finish") return FinishAsBsp();
     if (kind == "auto") {
       AutoDecision d;
       d.quorum = r.at("q").get<uint32_t>();

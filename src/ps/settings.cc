@@ -52,6 +52,21 @@ std::string GetOptionalRound(const Config& c) {
   return c.test_crash_after_round ? fmt::format("{}", *c.test_crash_after_round) : std::string();
 }
 
+// A percentage or "" (unset: the mode's default, Config::FinishBspPercent), the form a
+// journal records an unset value in.
+Status SetFinishBsp(Config& c, std::string_view v) {
+  if (v.empty()) {
+    c.finish_bsp_percent.reset();
+    return Status::Ok();
+  }
+  DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, 100));
+  c.finish_bsp_percent = static_cast<uint32_t>(x);
+  return Status::Ok();
+}
+std::string GetFinishBsp(const Config& c) {
+  return c.finish_bsp_percent ? fmt::format("{}", *c.finish_bsp_percent) : std::string();
+}
+
 template <auto M>
 Status SetPort(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, UINT64_MAX));
@@ -282,11 +297,11 @@ constexpr Setting kSettings[] = {
    "the job's budget: once this many gradients are committed every worker is told to stop "
    "(0: the workers decide)", S::kJob, true, false,
    SetUnsigned<&Config::max_gradients, UINT64_MAX>, GetNumber<&Config::max_gradients>},
-  {"DSYNC_AUTO_FINISH", {}, "--auto-finish",
-   "dsync:auto: the last PERCENT of the job's budget (--max-gradients) runs as bsp, so that "
+  {"DSYNC_FINISH_BSP", {}, "--finish-bsp",
+   "round modes: the last PERCENT of the job's budget (--max-gradients) runs as bsp, so that "
    "the rounds that step the model last hold every worker's gradient, none stale (0: delay "
-   "to the end)", S::kJob, true, false,
-   SetUnsigned<&Config::auto_finish_percent, 100>, GetNumber<&Config::auto_finish_percent>},
+   "to the end; unset: 10 under dsync:auto, 0 under dsync:K,Q)", S::kJob, true, false,
+   SetFinishBsp, GetFinishBsp},
   {"DSYNC_AUDIT_LOG", {}, "--audit-log",
    "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
    false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},

@@ -37,7 +37,7 @@ constexpr const char* kNames[] = {
     "DSYNC_SYNC", "DSYNC_OPTIMIZER", "DSYNC_LR", "DSYNC_MOMENTUM", "DSYNC_DAMPENING",
     "DSYNC_NESTEROV", "DSYNC_BETA1", "DSYNC_BETA2", "DSYNC_START_TIMEOUT_MS",
     "DSYNC_EPS", "DSYNC_WEIGHT_DECAY", "DSYNC_SLICE_BYTES", "DSYNC_MAX_GRADIENTS",
-    "DSYNC_AUTO_FINISH",
+    "DSYNC_FINISH_BSP",
     "DSYNC_LINK_DELAY_MS", "DSYNC_HEARTBEAT_MS", "DSYNC_HEARTBEAT_TIMEOUT_MS",
     "DSYNC_CONNECT_TIMEOUT_MS", "DSYNC_TRANSPORT", "DSYNC_RDMA_DEVICE", "DSYNC_GID_INDEX",
     "DSYNC_STORE", "DSYNC_GPUDIRECT", "DSYNC_INSECURE", "DSYNC_HANDSHAKE_TIMEOUT_MS",
@@ -73,7 +73,7 @@ bool Same(const Config& a, const Config& b) {
          a.sync == b.sync && SameOptimizer(a.optimizer, b.optimizer) &&
          a.start_timeout_ms == b.start_timeout_ms &&
          a.slice_bytes == b.slice_bytes && a.max_gradients == b.max_gradients &&
-         a.auto_finish_percent == b.auto_finish_percent &&
+         a.finish_bsp_percent == b.finish_bsp_percent &&
          a.observer == b.observer && a.link_delay_us == b.link_delay_us &&
          a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
          a.heartbeat_timeout_ms == b.heartbeat_timeout_ms &&
@@ -100,7 +100,7 @@ bool SameJob(const Config& a, const Config& b) {
          SameFloat(x.dampening, y.dampening) && x.nesterov == y.nesterov &&
          SameFloat(x.beta1, y.beta1) && SameFloat(x.beta2, y.beta2) && SameFloat(x.eps, y.eps) &&
          SameFloat(x.weight_decay, y.weight_decay) && a.slice_bytes == b.slice_bytes &&
-         a.max_gradients == b.max_gradients && a.auto_finish_percent == b.auto_finish_percent &&
+         a.max_gradients == b.max_gradients && a.finish_bsp_percent == b.finish_bsp_percent &&
          a.heartbeat_interval_ms == b.heartbeat_interval_ms &&
          a.heartbeat_timeout_ms == b.heartbeat_timeout_ms &&
          a.connect_timeout_ms == b.connect_timeout_ms &&
