@@ -151,9 +151,16 @@ TEST(AutoPolicy, MembershipChangesAreReDecided) {
   Feed(p, {{1000, 0.01}, {1001, 0.01}, {1003, 0.025}});
   EXPECT_EQ(p.decision().quorum, 2u);
   EXPECT_EQ(p.decision().allowance.at(1003), 4u);  // ceil(2.5) + 1
+  // One leaves and another joins between two decisions: as many workers, other ones.
+  p.Leave(1001);
+  p.Join(1004);
+  EXPECT_TRUE(p.Decide());
+  EXPECT_EQ(p.decision().allowance,
+            (std::map<WorkerId, uint32_t>{{1000, 0}, {1003, 4}, {1004, 0}}));
+  EXPECT_FALSE(p.Decide());  // nothing new: no change
+  p.Leave(1004);
   // A lone worker is never anyone's straggler.
   p.Leave(1000);
-  p.Leave(1001);
   p.Decide();
   EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
   EXPECT_EQ(p.decision().allowance.at(1003), 0u);

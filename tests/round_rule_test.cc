@@ -309,6 +309,7 @@ class Simulation {
     w.gate = a->gate;
     w.gate_known = true;
     if (finished_) fresh_from_[id] = a->start_clock;
+    EXPECT_EQ(rule_.CheckIndex(), "") << "after a join";
     // Straggler-ish speeds: a few workers are much slower.
     std::uniform_int_distribution<int> speed(1, 10);
     w.weight = speed(rng_) <= 2 ? 1 : 8;
@@ -411,6 +412,7 @@ class Simulation {
       std::uniform_int_distribution<int> coin(0, 3);
       if (coin(rng_) != 0) {
         ASSERT_TRUE(rule_.Begin(id, w.clock, w.base).ok());
+        EXPECT_EQ(rule_.CheckIndex(), "") << "after a begin: " << DebugState();
       }
       w.phase = Sim::kCompute;
       return;
@@ -477,6 +479,7 @@ class Simulation {
   }
 
   void Collect() {
+    EXPECT_EQ(rule_.CheckIndex(), "") << DebugState();
     for (const RoundRecord& r : rule_.CloseReady()) {
       EXPECT_EQ(r.round, next_round_++);
       if (r.members.empty()) {
@@ -519,6 +522,7 @@ class Simulation {
                                                           : std::min(quorum_, r.live_workers);
       EXPECT_EQ(r.quorum_needed, q);
     }
+    EXPECT_EQ(rule_.CheckIndex(), "") << "after closing: " << DebugState();
     for (const GateRelease& g : rule_.TakeGateReleases()) {
       auto it = workers_.find(g.worker);
       ASSERT_NE(it, workers_.end());
@@ -610,6 +614,7 @@ INSTANTIATE_TEST_SUITE_P(
                       PropertyCase{"dsync:4,1", 6, true}, PropertyCase{"ssp:2", 4, false},
                       PropertyCase{"ssp:0", 3, true}, PropertyCase{"asp", 4, true},
                       PropertyCase{"dsync:auto", 4, false}, PropertyCase{"dsync:auto:2", 5, true},
+                      PropertyCase{"dsync:3,2", 20, true},  // rounds of few among many
                       PropertyCase{"dsync:2,3", 4, false, true},
                       PropertyCase{"dsync:4,1", 6, true, true},
                       PropertyCase{"dsync:auto:3", 5, true, true}),

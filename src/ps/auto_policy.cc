@@ -32,17 +32,30 @@ void AutoPolicy::Observe(WorkerId w, double seconds) {
 }
 
 bool AutoPolicy::Decide() {
-  std::vector<double> measured;
+  // Runs at every commit the scheduler can time: no allocation once the workers are known,
+  // and the reference by selection, not a sort.
+  scratch_.clear();
   for (const auto& [id, t] : workers_) {
-    if (t.samples >= opt_.min_samples) measured.push_back(t.estimate);
+    if (t.samples >= opt_.min_samples) scratch_.push_back(t.estimate);
   }
-  AutoDecision next;
   reference_ = 0;
-  if (!measured.empty()) {
-    std::sort(measured.begin(), measured.end());
-    reference_ = measured[(measured.size() - 1) / 2];  // lower median
+  if (!scratch_.empty()) {
+    auto mid = scratch_.begin() + static_cast<std::ptrdiff_t>((scratch_.size() - 1) / 2);
+    std::nth_element(scratch_.begin(), mid, scratch_.end());
+    reference_ = *mid;  // lower median
+  }
+  // The decision holds every known worker: rebuilt only when workers joined or left since.
+  bool changed = decision_.allowance.size() != workers_.size() ||
+                 !std::equal(workers_.begin(), workers_.end(), decision_.allowance.begin(),
+                             [](const auto& a, const auto& b) { return a.first == b.first; });
+  if (changed) {
+    decision_.allowance.clear();
+    for (const auto& [id, t] : workers_) {
+      decision_.allowance.emplace_hint(decision_.allowance.end(), id, 0);
+    }
   }
   uint32_t fast = 0;
+  auto out = decision_.allowance.begin();
   for (auto& [id, t] : workers_) {
     uint32_t allow = 0;
     if (reference_ > 0 && t.samples >= opt_.min_samples && workers_.size() > 1) {
@@ -59,12 +72,15 @@ bool AutoPolicy::Decide() {
       t.straggler = false;  // not measured yet: waited for, as in bsp
     }
     t.allowance = allow;
-    next.allowance[id] = allow;
+    changed = changed || out->second != allow;
+    out->second = allow;
+    ++out;
     fast += allow == 0 ? 1 : 0;
   }
-  next.quorum = fast == workers_.size() ? SyncMode::kAll : std::max<uint32_t>(fast, 1);
-  const bool changed = next != decision_;
-  decision_ = std::move(next);
+  const uint32_t quorum =
+      fast == workers_.size() ? SyncMode::kAll : std::max<uint32_t>(fast, 1);
+  changed = changed || quorum != decision_.quorum;
+  decision_.quorum = quorum;
   return changed;
 }
 

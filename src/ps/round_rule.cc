@@ -1,5 +1,7 @@
 #include "ps/round_rule.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 namespace dsync::ps {
@@ -24,18 +26,57 @@ RoundRule::RoundRule(SyncMode mode) : mode_(mode) {
   if (mode_.kind == SyncKind::kRound && mode_.bound == 0) mode_.quorum = SyncMode::kAll;
 }
 
-uint32_t RoundRule::live_workers() const {
-  uint32_t n = 0;
-  for (const auto& [id, w] : workers_) n += w.live ? 1 : 0;
-  return n;
+uint32_t RoundRule::live_workers() const { return live_; }
+
+bool RoundRule::has_queued() const { return !ready_.empty() || !queued_.empty(); }
+
+namespace {
+// b + D, saturating: a version near 2^64 (a checkpoint's) must not wrap to a key that holds
+// every round.
+uint64_t BlockingKey(Version b, uint32_t bound) {
+  return b > UINT64_MAX - bound ? UINT64_MAX : b + bound;
+}
+}  // namespace
+
+void RoundRule::Reindex(WorkerState& w) {
+  if (w.blocking_key) {
+    auto it = blocking_.find(*w.blocking_key);
+    if (--it->second == 0) blocking_.erase(it);
+    w.blocking_key.reset();
+  }
+  if (!RoundMode() || !w.live || !w.queue.empty()) return;
+  // Closing round r without w pushes w's in-progress gradient to round r + 1 at the earliest:
+  // allowed while r + 1 - b <= D_w, i.e. b + D_w >= r + 1.
+  const Version b = std::max(w.begun.value_or(0), w.floor);
+  w.blocking_key = BlockingKey(b, w.bound);
+  ++blocking_[*w.blocking_key];
 }
 
-bool RoundRule::has_queued() const {
-  if (!ready_.empty()) return true;
+std::string RoundRule::CheckIndex() const {
+  uint32_t live = 0, late = 0, contributing = 0;
+  std::vector<WorkerId> queued;
+  std::map<uint64_t, uint32_t> blocking;
   for (const auto& [id, w] : workers_) {
-    if (!w.queue.empty()) return true;
+    if (!w.queue.empty()) queued.push_back(id);
+    if (!w.live) continue;
+    ++live;
+    if (RoundMode() && w.join_round > open_round_) ++late;
+    if (RoundMode() && w.join_round <= open_round_ && !w.queue.empty()) ++contributing;
+    if (RoundMode() && w.queue.empty()) {
+      ++blocking[BlockingKey(std::max(w.begun.value_or(0), w.floor), w.bound)];
+    }
   }
-  return false;
+  std::string out;
+  if (live != live_) out += fmt::format("live {} kept {}; ", live, live_);
+  if (late != late_joiners_) out += fmt::format("late joiners {} kept {}; ", late, late_joiners_);
+  if (contributing != contributing_) {
+    out += fmt::format("contributing {} kept {}; ", contributing, contributing_);
+  }
+  std::vector<WorkerId> kept = queued_;
+  std::sort(kept.begin(), kept.end());
+  if (queued != kept) out += fmt::format("{} queued, {} kept; ", queued.size(), kept.size());
+  if (blocking != blocking_) out += "the blocking bases differ; ";
+  return out;
 }
 
 bool RoundRule::is_live(WorkerId w) const {
@@ -77,7 +118,9 @@ Result<Admission> RoundRule::Join(WorkerId id, bool initial) {
     w.floor = mode_.kind == SyncKind::kSsp ? open_round_ : 0;
   }
   Admission a{w.join_round, w.next_clock, w.floor};
-  workers_.emplace(id, std::move(w));
+  ++live_;
+  if (RoundMode() && w.join_round > open_round_) ++late_joiners_;
+  Reindex(workers_.emplace(id, std::move(w)).first->second);
   return a;
 }
 
@@ -94,6 +137,7 @@ Status RoundRule::Begin(WorkerId id, Clock clock, Version base) {
                  open_round_);
   }
   w.begun = std::max(base, w.begun.value_or(0));
+  Reindex(w);
   return Status::Ok();
 }
 
@@ -128,8 +172,13 @@ Result<CommitResult> RoundRule::Commit(WorkerId id, Clock clock, Version base, b
   CommitResult result;
   if (RoundMode()) {
     result.round = open_round_ + w.queue.size();
+    if (w.queue.empty()) {
+      queued_.push_back(id);
+      if (w.join_round <= open_round_) ++contributing_;
+    }
     w.queue.push_back({clock, base});
     w.floor = SaturatingSub(result.round + 1, w.bound);
+    Reindex(w);
     result.gate = w.floor;
     return result;
   }
@@ -137,7 +186,7 @@ Result<CommitResult> RoundRule::Commit(WorkerId id, Clock clock, Version base, b
   RoundRecord rec;
   rec.round = open_round_++;
   rec.members.push_back({id, clock, base});
-  rec.live_workers = live_workers();
+  rec.live_workers = live_;
   rec.quorum_needed = 1;
   rec.live_members = 1;
   stats_.max_staleness =
@@ -167,6 +216,10 @@ Result<Clock> RoundRule::Remove(WorkerId id, bool /*failed*/) {
   }
   WorkerState& w = it->second;
   w.live = false;
+  --live_;
+  if (RoundMode() && w.join_round > open_round_) --late_joiners_;
+  if (RoundMode() && w.join_round <= open_round_ && !w.queue.empty()) --contributing_;
+  Reindex(w);
   w.ssp_wait.reset();
   const Clock next = w.next_clock;
   if (w.queue.empty()) workers_.erase(it);
@@ -192,6 +245,7 @@ Status RoundRule::SetAllowance(WorkerId id, uint32_t allowance) {
                  allowance);
   }
   it->second.bound = allowance;
+  Reindex(it->second);
   return Status::Ok();
 }
 
@@ -216,61 +270,69 @@ Status RoundRule::FinishAsBsp() {
   mode_.quorum = SyncMode::kAll;
   // Lowering allowances only makes rounds wait longer (see the header): the bound holds.
   for (auto& [id, w] : workers_) {
-    if (w.live) w.bound = 0;
+    if (!w.live) continue;
+    w.bound = 0;
+    Reindex(w);
   }
   return Status::Ok();
 }
 
-bool RoundRule::MayClose(Round r) const {
-  uint32_t eligible = 0;
-  uint32_t contributing = 0;
-  bool any = false;
-  bool joiner_waits = false;
-  for (const auto& [id, w] : workers_) {
-    any = any || !w.queue.empty();
-    if (!w.live) continue;
-    if (w.join_round <= r) {
-      ++eligible;
-      if (!w.queue.empty()) ++contributing;
-    } else {
-      joiner_waits = true;
-    }
-    if (w.queue.empty()) {
-      // Closing r without w pushes w's in-progress gradient to round r + 1 at the earliest.
-      const Version b = std::max(w.begun.value_or(0), w.floor);
-      if (r + 1 - std::min<uint64_t>(b, r + 1) > w.bound) return false;
-    }
-  }
+bool RoundRule::MayClose() const {
+  const Round r = open_round_;
+  // (b): no live worker with an empty queue would be pushed past its allowance.
+  if (!blocking_.empty() && blocking_.begin()->first < r + 1) return false;
   // A round holds at least one gradient, except when only workers that count from the next
   // round are left: then it closes empty (the version advances, the model does not change)
   // so that their first pull, waiting for that version, is answered.
-  if (!any) return eligible == 0 && joiner_waits;
+  const uint32_t eligible = live_ - late_joiners_;
+  if (queued_.empty()) return eligible == 0 && late_joiners_ > 0;
   const uint32_t need =
       mode_.quorum == SyncMode::kAll ? eligible : std::min(mode_.quorum, eligible);
-  return contributing >= need;
+  return contributing_ >= need;
 }
 
 RoundRecord RoundRule::CloseOne() {
   RoundRecord rec;
   rec.round = open_round_;
-  for (auto it = workers_.begin(); it != workers_.end();) {
-    WorkerState& w = it->second;
-    if (w.live && w.join_round <= rec.round) ++rec.live_workers;
+  rec.live_workers = live_ - late_joiners_;
+  contributing_ = 0;
+  still_queued_.clear();
+  // Takes the head of w's queue into the round.
+  auto take = [&](WorkerId id, WorkerState& w) {
+    const Queued q = w.queue.front();
+    w.queue.pop_front();
+    rec.members.push_back({id, q.clock, q.base});
+    if (w.live) ++rec.live_members;
+    stats_.max_staleness =
+        std::max<uint32_t>(stats_.max_staleness, static_cast<uint32_t>(rec.round - q.base));
+    ++stats_.gradients_placed;
     if (!w.queue.empty()) {
-      const Queued q = w.queue.front();
-      w.queue.pop_front();
-      rec.members.push_back({it->first, q.clock, q.base});
-      if (w.live) ++rec.live_members;
-      stats_.max_staleness =
-          std::max<uint32_t>(stats_.max_staleness, static_cast<uint32_t>(rec.round - q.base));
-      ++stats_.gradients_placed;
+      still_queued_.push_back(id);
+      contributing_ += w.live ? 1 : 0;  // every live worker counts in the next round
+    } else if (w.live) {
+      Reindex(w);
     }
-    if (!w.live && w.queue.empty()) {
-      it = workers_.erase(it);
-    } else {
-      ++it;
+    return w.live || !w.queue.empty();  // false: a gone worker with nothing left, forgotten
+  };
+  // A round costs what it holds: the workers with a queued gradient, found by id where they
+  // are few, by one pass in id order where they are many (bsp: everyone).
+  if (queued_.size() * 4 >= workers_.size()) {
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (it->second.queue.empty() || take(it->first, it->second)) {
+        ++it;
+      } else {
+        it = workers_.erase(it);
+      }
+    }
+  } else {
+    std::sort(queued_.begin(), queued_.end());  // members in id order
+    for (const WorkerId id : queued_) {
+      auto it = workers_.find(id);
+      if (!take(id, it->second)) workers_.erase(it);
     }
   }
+  queued_.swap(still_queued_);
+  late_joiners_ = 0;  // they count from the round that opens now
   rec.quorum_needed = mode_.quorum == SyncMode::kAll ? rec.live_workers
                                                      : std::min(mode_.quorum, rec.live_workers);
   ++open_round_;
@@ -281,7 +343,7 @@ RoundRecord RoundRule::CloseOne() {
 std::vector<RoundRecord> RoundRule::CloseReady() {
   std::vector<RoundRecord> out;
   if (RoundMode()) {
-    while (MayClose(open_round_)) out.push_back(CloseOne());
+    while (MayClose()) out.push_back(CloseOne());
   } else {
     while (!ready_.empty()) {
       out.push_back(std::move(ready_.front()));
@@ -298,7 +360,7 @@ std::optional<Version> RoundRule::begun(WorkerId w) const {
 
 std::optional<RoundRecord> RoundRule::CloseNext() {
   if (RoundMode()) {
-    if (!MayClose(open_round_)) return std::nullopt;
+    if (!MayClose()) return std::nullopt;
     return CloseOne();
   }
   if (ready_.empty()) return std::nullopt;

@@ -32,6 +32,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "dsync/config.h"
@@ -126,6 +127,9 @@ class RoundRule {
   // The base w reported for the gradient it computes now (Begin), if any.
   std::optional<Version> begun(WorkerId w) const;
   const RuleStats& stats() const { return stats_; }
+  // For tests: whether the counts and sets kept to decide a round in O(log n) (below) agree
+  // with a count over every worker; "" when they do, else what differs.
+  std::string CheckIndex() const;
 
  private:
   struct Queued {
@@ -141,12 +145,16 @@ class RoundRule {
     Version floor = 0;              // its pull gate: lowest base its next gradient may have
     std::optional<Version> begun;   // base of the in-progress gradient, when reported
     std::optional<Clock> ssp_wait;  // clock whose ssp gate is still closed
+    // Live with an empty queue (round modes): its base plus allowance, in blocking_.
+    std::optional<uint64_t> blocking_key;
   };
 
   bool RoundMode() const { return mode_.kind == SyncKind::kRound; }
   Version SaturatingSub(uint64_t a, uint64_t b) const { return a > b ? a - b : 0; }
-  bool MayClose(Round r) const;
+  bool MayClose() const;
   RoundRecord CloseOne();
+  // Puts w's key in blocking_, or takes it out, after anything it depends on changed.
+  void Reindex(WorkerState& w);
   bool SspGateOpen(Clock clock) const;
   void ReleaseSspGates();
 
@@ -156,6 +164,17 @@ class RoundRule {
   Round start_round_ = 0;  // StartAt: the version the job started from
   Clock start_clock_ = 0;  // StartAt: the first workers' first clock
   std::map<WorkerId, WorkerState> workers_;  // ordered: rounds sum in worker-id order
+  // What MayClose needs, kept as workers change, so that a commit costs O(log n) with n
+  // workers, not a pass over all of them (round modes):
+  uint32_t live_ = 0;          // live workers
+  uint32_t late_joiners_ = 0;  // live workers that count from the next round only
+  uint32_t contributing_ = 0;  // live, counting in the open round, with a queued gradient
+  std::vector<WorkerId> queued_;  // workers (live or gone) with a queued gradient, any order
+  // For each live worker with an empty queue, b_w + D_w (b_w: the lowest base it may compute
+  // on), counted by value (a few distinct ones near the open round): the open round R may
+  // close without them only if the least is >= R + 1.
+  std::map<uint64_t, uint32_t> blocking_;
+  std::vector<WorkerId> still_queued_;  // CloseOne's scratch
   std::deque<RoundRecord> ready_;            // ssp/asp: rounds decided on commit
   std::vector<GateRelease> releases_;
   RuleStats stats_;
