@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <map>
 #include <random>
 #include <optional>
 #include <string>
@@ -103,7 +102,8 @@ class Job {
       payoff_->MembershipChanged();
       Decide();
     }
-    return CloseReady();
+    CloseReady();
+    return Status::Ok();
   }
 
   // The next `attempts` workers in the order of commits (from where the last call stopped;
@@ -130,7 +130,7 @@ class Job {
       ++s.clock;
       s.gate = c.gate.value_or(0);
       ++made;
-      DSYNC_RETURN_IF_ERROR(CloseReady());
+      CloseReady();
     }
     return made;
   }
@@ -163,16 +163,14 @@ class Job {
     policy_->Decide();
     ps::AutoDecision d = payoff_->Gate(policy_->decision());
     if (d == applied_) return;
-    for (const auto& [id, allowance] : d.allowance) {
-      auto it = applied_.allowance.find(id);
-      if (it != applied_.allowance.end() && it->second == allowance) continue;
+    applied_ = std::move(d);
+    for (const auto& [id, allowance] : applied_.allowance) {
       if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
     }
-    (void)rule_.SetQuorum(d.quorum);
-    applied_ = std::move(d);
+    (void)rule_.SetQuorum(applied_.quorum);
   }
 
-  Status CloseReady() {
+  void CloseReady() {
     const auto t0 = SteadyClock::now();
     std::vector<RoundRecord> closed = rule_.CloseReady();
     if (!closed.empty()) {
@@ -182,7 +180,6 @@ class Job {
     if (payoff_) {
       for (const RoundRecord& r : closed) payoff_->RoundClosed(Now(), r);
     }
-    return Status::Ok();
   }
 
   ps::RoundRule rule_;

@@ -30,13 +30,13 @@ uint32_t RoundRule::live_workers() const { return live_; }
 
 bool RoundRule::has_queued() const { return !ready_.empty() || !queued_.empty(); }
 
-namespace {
-// b + D, saturating: a version near 2^64 (a checkpoint's) must not wrap to a key that holds
-// every round.
-uint64_t BlockingKey(Version b, uint32_t bound) {
-  return b > UINT64_MAX - bound ? UINT64_MAX : b + bound;
+uint64_t RoundRule::BlockingKey(const WorkerState& w) {
+  // Closing round r without w pushes w's in-progress gradient to round r + 1 at the earliest:
+  // allowed while r + 1 - b <= D_w, i.e. b + D_w >= r + 1. Saturating: a version near 2^64 (a
+  // checkpoint's) must not wrap to a key that holds every round.
+  const Version b = std::max(w.begun.value_or(0), w.floor);
+  return b > UINT64_MAX - w.bound ? UINT64_MAX : b + w.bound;
 }
-}  // namespace
 
 void RoundRule::Reindex(WorkerState& w) {
   if (w.blocking_key) {
@@ -45,10 +45,7 @@ void RoundRule::Reindex(WorkerState& w) {
     w.blocking_key.reset();
   }
   if (!RoundMode() || !w.live || !w.queue.empty()) return;
-  // Closing round r without w pushes w's in-progress gradient to round r + 1 at the earliest:
-  // allowed while r + 1 - b <= D_w, i.e. b + D_w >= r + 1.
-  const Version b = std::max(w.begun.value_or(0), w.floor);
-  w.blocking_key = BlockingKey(b, w.bound);
+  w.blocking_key = BlockingKey(w);
   ++blocking_[*w.blocking_key];
 }
 
@@ -60,11 +57,13 @@ std::string RoundRule::CheckIndex() const {
     if (!w.queue.empty()) queued.push_back(id);
     if (!w.live) continue;
     ++live;
-    if (RoundMode() && w.join_round > open_round_) ++late;
-    if (RoundMode() && w.join_round <= open_round_ && !w.queue.empty()) ++contributing;
-    if (RoundMode() && w.queue.empty()) {
-      ++blocking[BlockingKey(std::max(w.begun.value_or(0), w.floor), w.bound)];
+    if (!RoundMode()) continue;
+    if (w.join_round > open_round_) {
+      ++late;
+    } else if (!w.queue.empty()) {
+      ++contributing;
     }
+    if (w.queue.empty()) ++blocking[BlockingKey(w)];
   }
   std::string out;
   if (live != live_) out += fmt::format("live {} kept {}; ", live, live_);

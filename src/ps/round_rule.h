@@ -155,6 +155,8 @@ class RoundRule {
   RoundRecord CloseOne();
   // Puts w's key in blocking_, or takes it out, after anything it depends on changed.
   void Reindex(WorkerState& w);
+  // b_w + D_w, w's key in blocking_.
+  static uint64_t BlockingKey(const WorkerState& w);
   bool SspGateOpen(Clock clock) const;
   void ReleaseSspGates();
 

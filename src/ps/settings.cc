@@ -48,8 +48,10 @@ Status SetOptionalRound(Config& c, std::string_view v) {
   c.test_crash_after_round = x;
   return Status::Ok();
 }
-std::string GetOptionalRound(const Config& c) {
-  return c.test_crash_after_round ? fmt::format("{}", *c.test_crash_after_round) : std::string();
+// An optional number's text, "" when it is not set.
+template <auto M>
+std::string GetOptionalNumber(const Config& c) {
+  return c.*M ? fmt::format("{}", *(c.*M)) : std::string();
 }
 
 // A percentage or "" (unset: the mode's default, Config::FinishBspPercent), the form a
@@ -62,9 +64,6 @@ Status SetFinishBsp(Config& c, std::string_view v) {
   DSYNC_ASSIGN_OR_RETURN(uint64_t x, ParseUnsigned("", v, 100));
   c.finish_bsp_percent = static_cast<uint32_t>(x);
   return Status::Ok();
-}
-std::string GetFinishBsp(const Config& c) {
-  return c.finish_bsp_percent ? fmt::format("{}", *c.finish_bsp_percent) : std::string();
 }
 
 template <auto M>
@@ -301,7 +300,7 @@ constexpr Setting kSettings[] = {
    "round modes: the last PERCENT of the job's budget (--max-gradients) runs as bsp, so that "
    "the rounds that step the model last hold every worker's gradient, none stale (0: delay "
    "to the end; unset: 10 under dsync:auto, 0 under dsync:K,Q)", S::kJob, true, false,
-   SetFinishBsp, GetFinishBsp},
+   SetFinishBsp, GetOptionalNumber<&Config::finish_bsp_percent>},
   {"DSYNC_AUDIT_LOG", {}, "--audit-log",
    "scheduler: write each round decision and membership change here (JSON lines)", S::kJob,
    false, false, SetText<&Config::audit_log>, GetText<&Config::audit_log>},
@@ -323,7 +322,8 @@ constexpr Setting kSettings[] = {
    true, false, SetText<&Config::journal>, GetText<&Config::journal>},
   {"DSYNC_TEST_CRASH_AFTER_ROUND", {}, "--test-crash-after-round",
    "tests: the scheduler's process ends as if killed once round N is journaled, before it is "
-   "sent", S::kJob, false, false, SetOptionalRound, GetOptionalRound},
+   "sent", S::kJob, false, false, SetOptionalRound,
+   GetOptionalNumber<&Config::test_crash_after_round>},
   {"DSYNC_RECONNECT_GRACE", {}, "--reconnect-grace",
    "scheduler of a journaled job: seconds its servers and workers wait for it to be restarted "
    "after it is lost, before they stop", S::kJob, true, false, SetSeconds<&Config::reconnect_grace_ms>,
