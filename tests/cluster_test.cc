@@ -217,12 +217,17 @@ uint64_t CountMembers(const std::vector<RoundRecord>& history,
 // scheduler's rounds give when each gradient of ones is corrected (delay compensation: toward
 // the model before the first kept round at or after its base, of the last D rounds that
 // changed the slice) and weighed as the policy says, summed in member order as the stores
-// sum. Worker 0's clocks from `first_empty` on were empty commits. Returns how many gradients
-// weighed less than 1 or were corrected.
+// sum, then stepped by `optimizer` (sum, or momentum SGD with the round's momentum tempered by
+// the weighed mean staleness under +momentum). Worker 0's clocks from `first_empty` on were
+// empty commits. Returns how many gradients weighed less than 1 or were corrected, plus the
+// rounds whose momentum was tempered.
 uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecord>& history,
                             const StalenessPolicy& policy, const SyncMode& mode,
-                            WorkerId probe_id, Clock first_empty) {
+                            const OptimizerConfig& optimizer, WorkerId probe_id,
+                            Clock first_empty) {
   float model = 0.0f;
+  float momentum_buf = 0.0f;
+  uint64_t steps = 0;
   uint64_t changed = 0;
   const size_t depth = policy.CompensationDepth(mode);
   std::deque<std::pair<Round, float>> kept;  // (round, the model before it), oldest first
@@ -230,9 +235,17 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
   for (const RoundRecord& r : history) {
     float sum = 0.0f;
     bool first = true;
+    uint32_t count = 0;
+    double weighed_staleness = 0.0;
+    double weights = 0.0;
+    double staleness = 0.0;  // unweighed: the mean where every weight is 0
     for (const RoundMember& m : r.members) {
       if (m.worker == probe_id && m.clock >= first_empty) continue;
       const float weight = policy.Weight(Staleness(r.round, m.base));
+      ++count;
+      weighed_staleness += weight * static_cast<double>(Staleness(r.round, m.base));
+      weights += weight;
+      staleness += static_cast<double>(Staleness(r.round, m.base));
       float g = 1.0f;
       float lambda = policy.compensation;
       if (policy.adaptive && depth > 0) {
@@ -251,7 +264,15 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
       kept.emplace_back(r.round, model);
       if (kept.size() > depth) kept.pop_front();
     }
-    ps::SumStep(model, sum);
+    if (optimizer.kind == OptimizerKind::kSum) {
+      ps::SumStep(model, sum);
+      continue;
+    }
+    ps::OptimizerScalars scalars = ps::MakeOptimizerScalars(optimizer, ++steps, count);
+    const double mean = weights > 0.0 ? weighed_staleness / weights : staleness / count;
+    scalars.momentum = policy.RoundMomentum(optimizer.momentum, mean);
+    changed += scalars.momentum != optimizer.momentum ? 1 : 0;
+    ps::MomentumStep(model, momentum_buf, sum, scalars);
   }
   auto differs = [&](float x) { return std::bit_cast<uint32_t>(x) != std::bit_cast<uint32_t>(model); };
   EXPECT_EQ(std::count_if(probe.a().begin(), probe.a().end(), differs), 0)
@@ -281,7 +302,10 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
   if (slash != std::string::npos) {
     cfg.staleness = StalenessPolicy::Parse(param.substr(slash + 1)).value();
   }
-  cfg.optimizer.kind = OptimizerKind::kSum;
+  // +momentum tempers momentum SGD, so it runs with that; the model is then no count.
+  cfg.optimizer.kind = cfg.staleness.temper_momentum ? OptimizerKind::kMomentum : OptimizerKind::kSum;
+  cfg.optimizer.lr = 0.01f;
+  cfg.optimizer.momentum = 0.9f;
   cfg.slice_bytes = 1024;
   LocalCluster cluster(cfg);
   ASSERT_TRUE(cluster.ok());
@@ -325,7 +349,7 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
     // some were stale, or this proves nothing about the policy. Under bsp none is: the policy
     // changes nothing.
     const uint64_t changed = ExpectModelWeighed(*sums[0], cluster.scheduler().history(),
-                                                cfg.staleness, cfg.sync,
+                                                cfg.staleness, cfg.sync, cfg.optimizer,
                                                 workers[0]->job().worker_id, kIters);
     bool stale = false;
     for (const RoundRecord& r : cluster.scheduler().history()) {
@@ -333,7 +357,7 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
     }
     if (cfg.sync == SyncMode::Bsp()) {
       EXPECT_EQ(changed, 0u);
-      ExpectModelCounts(*sums[0], total);
+      if (cfg.optimizer.kind == OptimizerKind::kSum) ExpectModelCounts(*sums[0], total);
     } else if (stale || !cfg.sync.adaptive) {
       EXPECT_GT(changed, 0u);
     }
@@ -1047,7 +1071,10 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                          ::testing::Values("bsp", "dsync:2", "dsync:2,3", "ssp:2", "asp",
                                            "dsync:auto", "dsync:2,3/inverse", "ssp:2/inverse",
                                            "asp/exp:0.5", "dsync:2,3/dc:0.01", "bsp/inverse+dc:0.5",
-                                           "dsync:2,3/dca:0.002",
+                                           "dsync:2,3/dca:0.002", "dsync:2,3/inverse+momentum",
+                                           "ssp:2/momentum", "bsp/momentum", "asp/momentum",
+                                           "dsync:2,3/exp:0.5+dc:0.01+momentum",
+                                           "dsync:2,3/inverse+momentum+2", "dsync:auto/momentum",
                                            "asp/inverse+dc:0.01,3", "dsync:auto/dc:0.01+2", "bsp+2", "dsync:2,3+2", "ssp:2+2",
                                            "asp+2", "dsync:auto+2"),
                          [](const auto& param_info) {

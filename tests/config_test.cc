@@ -116,6 +116,68 @@ TEST(StalenessPolicy, DelayCompensationParsesAloneOrAfterAWeightAndKeepsWhatTheM
   EXPECT_NE(StalenessPolicy::Parse("dc:0").status().message().find("above 0"), std::string::npos);
 }
 
+TEST(StalenessPolicy, MomentumTemperingParsesLastOrAloneAndKeepsTheGainOfTheAskedMomentum) {
+  for (const char* text : {"momentum", "inverse+momentum", "exp:0.5+momentum", "dc:0.5+momentum",
+                           "inverse+dca:32+momentum", "exp:0.5+dc:1,3+momentum"}) {
+    auto p = StalenessPolicy::Parse(text);
+    ASSERT_TRUE(p.ok()) << text << ": " << p.status().ToString();
+    EXPECT_TRUE(p->temper_momentum) << text;
+    EXPECT_EQ(p->ToString(), text);
+  }
+  const StalenessPolicy alone = StalenessPolicy::Parse("momentum").value();
+  EXPECT_EQ(alone.kind, StalenessKind::kNone);
+  EXPECT_EQ(alone.compensation, 0.0f);
+  EXPECT_EQ(alone.Weight(3), 1.0f);  // tempering weighs nothing
+  const StalenessPolicy both = StalenessPolicy::Parse("inverse+dca:32+momentum").value();
+  EXPECT_EQ(both.kind, StalenessKind::kInverse);
+  EXPECT_TRUE(both.adaptive);
+  EXPECT_EQ(both.compensation, 32.0f);
+  EXPECT_FALSE(StalenessPolicy::Parse("inverse+dca:32").value().temper_momentum);
+
+  // Fresh rounds, and every policy without it, step with the momentum asked, bit for bit.
+  for (float m : {0.0f, 0.5f, 0.9f, 0.99f}) {
+    EXPECT_EQ(alone.RoundMomentum(m, 0.0), m);
+    EXPECT_EQ(StalenessPolicy{}.RoundMomentum(m, 2.0), m);
+    EXPECT_EQ(StalenessPolicy::Parse("inverse").value().RoundMomentum(m, 2.0), m);
+  }
+  // 1 - (1 - m)(1 + s): the explicit and the implied momentum keep the gain 1 / (1 - m).
+  EXPECT_FLOAT_EQ(alone.RoundMomentum(0.9f, 1.0), 0.8f);
+  EXPECT_FLOAT_EQ(alone.RoundMomentum(0.9f, 2.0), 0.7f);
+  EXPECT_FLOAT_EQ(alone.RoundMomentum(0.9f, 0.5), 0.85f);
+  EXPECT_FLOAT_EQ(alone.RoundMomentum(0.99f, 3.0), 0.96f);
+  for (double s : {0.25, 1.0, 3.0}) {
+    const double m = alone.RoundMomentum(0.9f, s);
+    const double implied = s / (1.0 + s);
+    EXPECT_NEAR((1.0 - m) * (1.0 - implied), 1.0 - 0.9, 1e-6) << s;
+  }
+  // Staler than the momentum can give back: none left, never negative.
+  EXPECT_EQ(alone.RoundMomentum(0.9f, 9.5), 0.0f);
+  EXPECT_EQ(alone.RoundMomentum(0.5f, 1e30), 0.0f);
+  EXPECT_EQ(alone.RoundMomentum(0.0f, 1.0), 0.0f);
+  // A mean that is not a number leaves the momentum as asked rather than poisoning it, and
+  // so does a momentum that never decays (1 or more): tempering never raises it.
+  EXPECT_EQ(alone.RoundMomentum(0.9f, std::nan("")), 0.9f);
+  EXPECT_EQ(alone.RoundMomentum(1.0f, 2.0), 1.0f);
+  EXPECT_EQ(alone.RoundMomentum(1.5f, 1.0), 1.5f);
+  for (float m = 0.0f; m < 1.0f; m += 0.0625f) {
+    for (double st : {0.001, 0.5, 1.0, 4.0, 64.0}) {
+      const float t = alone.RoundMomentum(m, st);
+      EXPECT_GE(t, 0.0f) << m << " " << st;
+      EXPECT_LE(t, m) << m << " " << st;
+    }
+  }
+
+  for (const char* text : {"none+momentum", "momentum+inverse", "momentum+momentum",
+                           "inverse+momentum+dc:1", "+momentum", "inverse+", "momentum:2",
+                           "dc:1+momentum+momentum"}) {
+    auto r = StalenessPolicy::Parse(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("+momentum"), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(StalenessPolicy, RefusesWhatIsNotAPolicyWithTheAcceptedForms) {
   for (const char* text : {"", "exp", "exp:", "exp:0", "exp:-0.5", "exp:1.5", "exp:nan",
                            "exp:x", "inverse:2", "linear"}) {

@@ -62,6 +62,8 @@ struct SyncMode {
 // with the servers keeping the last D versions of each slice to know w_base; dca:L[,D] is
 // DC-ASGD's adaptive form, L / sqrt(ms) in place of L, ms a running mean of g * g per element.
 // A gradient with s = 0 is always left exactly as it is, so bsp is the same under every policy.
+// "+momentum", last (or alone), tempers momentum SGD's momentum by the round's staleness
+// (RoundMomentum): stale gradients carry a momentum of their own.
 enum class StalenessKind { kNone, kInverse, kExp };
 
 struct StalenessPolicy {
@@ -76,13 +78,22 @@ struct StalenessPolicy {
   float compensation = 0.0f;  // dc, dca: L (0: no compensation)
   uint32_t depth = 0;         // dc, dca: D (0: the default above)
   bool adaptive = false;      // dca
+  bool temper_momentum = false;  // +momentum
 
   // "none", "inverse", "exp:C", "dc:L", "dc:L,D", "inverse+dc:L[,D]", "exp:C+dc:L[,D]", and
-  // the same with dca for dc.
+  // the same with dca for dc; any of them but none followed by "+momentum", or "momentum".
   static Result<StalenessPolicy> Parse(std::string_view text);
   std::string ToString() const;
   // The weight of a gradient `staleness` rounds stale, in [0, 1]; exactly 1 at 0.
   float Weight(uint64_t staleness) const;
+  // The momentum a round of momentum SGD steps with, its gradients `mean_staleness` rounds
+  // stale on average (weighed as they are summed). Asynchrony acts as momentum of its own
+  // (Mitliagkas et al. 2016, "Asynchrony begets momentum"): gradients s rounds stale on
+  // average add about s / (1 + s). With +momentum the explicit momentum m is lowered so that
+  // the two together keep the gain 1 / (1 - m) of m alone:
+  //   (1 - m') (1 - s / (1 + s)) = 1 - m,  i.e.  m' = max(0, 1 - (1 - m)(1 + s)).
+  // Without +momentum, or at s = 0, m exactly.
+  float RoundMomentum(float momentum, double mean_staleness) const;
   // How many versions of each slice the servers keep to compensate under `sync`: 0 without
   // compensation, or where no gradient is ever stale (bsp).
   uint32_t CompensationDepth(const SyncMode& sync) const;

@@ -106,7 +106,9 @@ namespace {
 
 constexpr std::string_view kStalenessForms =
     "none, inverse, exp:C (0 < C <= 1), dc:L[,D] or dca:L[,D] (L > 0, 1 <= D <= 64), or a "
-    "weight and a compensation joined by '+' (inverse+dc:L)";
+    "weight and a compensation joined by '+' (inverse+dc:L); any of them but none may be "
+    "followed by +momentum (inverse+dc:L+momentum), or momentum alone";
+constexpr std::string_view kTemperMomentum = "momentum";
 
 bool IsCompensation(std::string_view text) {
   return text.starts_with("dc:") || text.starts_with("dca:");
@@ -158,22 +160,36 @@ Status ParseWeight(std::string_view whole, std::string_view text, StalenessPolic
 
 }  // namespace
 
-Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view text) {
+Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view whole) {
   StalenessPolicy p;
+  std::string_view text = whole;
+  if (text == kTemperMomentum) {
+    p.temper_momentum = true;
+    return p;
+  }
+  if (const size_t last = text.rfind('+');
+      last != std::string_view::npos && text.substr(last + 1) == kTemperMomentum) {
+    p.temper_momentum = true;
+    text = text.substr(0, last);
+    if (text == "none") {
+      return Error(StatusCode::kInvalidArgument, "staleness policy '{}' is not one of {}", whole,
+                   kStalenessForms);
+    }
+  }
   const size_t plus = text.find('+');
   const std::string_view first = text.substr(0, plus);
   if (plus == std::string_view::npos && IsCompensation(first)) {
-    DSYNC_RETURN_IF_ERROR(ParseCompensation(text, first, p));
+    DSYNC_RETURN_IF_ERROR(ParseCompensation(whole, first, p));
     return p;
   }
-  DSYNC_RETURN_IF_ERROR(ParseWeight(text, first, p));
+  DSYNC_RETURN_IF_ERROR(ParseWeight(whole, first, p));
   if (plus == std::string_view::npos) return p;
   const std::string_view second = text.substr(plus + 1);
   if (!IsCompensation(second) || p.kind == StalenessKind::kNone) {
-    return Error(StatusCode::kInvalidArgument, "staleness policy '{}' is not one of {}", text,
+    return Error(StatusCode::kInvalidArgument, "staleness policy '{}' is not one of {}", whole,
                  kStalenessForms);
   }
-  DSYNC_RETURN_IF_ERROR(ParseCompensation(text, second, p));
+  DSYNC_RETURN_IF_ERROR(ParseCompensation(whole, second, p));
   return p;
 }
 
@@ -184,10 +200,18 @@ std::string StalenessPolicy::ToString() const {
     case StalenessKind::kInverse: weight = "inverse"; break;
     case StalenessKind::kExp: weight = fmt::format("exp:{}", base); break;
   }
-  if (compensation == 0.0f) return weight;
-  std::string dc = fmt::format("{}:{}", adaptive ? "dca" : "dc", compensation);
-  if (depth != 0) dc += fmt::format(",{}", depth);
-  return kind == StalenessKind::kNone ? dc : weight + "+" + dc;
+  std::string text = kind == StalenessKind::kNone ? "" : weight;
+  const auto add = [&](std::string_view part) {
+    text += text.empty() ? "" : "+";
+    text += part;
+  };
+  if (compensation != 0.0f) {
+    std::string dc = fmt::format("{}:{}", adaptive ? "dca" : "dc", compensation);
+    if (depth != 0) dc += fmt::format(",{}", depth);
+    add(dc);
+  }
+  if (temper_momentum) add(kTemperMomentum);
+  return text.empty() ? weight : text;
 }
 
 uint32_t StalenessPolicy::CompensationDepth(const SyncMode& sync) const {
@@ -211,6 +235,15 @@ float StalenessPolicy::Weight(uint64_t staleness) const {
     case StalenessKind::kExp: return static_cast<float>(std::pow(static_cast<double>(base), s));
   }
   return 1.0f;
+}
+
+float StalenessPolicy::RoundMomentum(float momentum, double mean_staleness) const {
+  // A momentum of 1 or more never decays (torch accepts it): there is no gain 1 / (1 - m) to
+  // keep, and the formula would raise it. Left as asked, as is a mean that is not a number.
+  if (!temper_momentum || !(mean_staleness > 0.0) || !(momentum < 1.0f)) return momentum;
+  // In double, rounded once, as Weight: every server and copy steps with the same float.
+  const double keep = (1.0 - static_cast<double>(momentum)) * (1.0 + mean_staleness);
+  return static_cast<float>(std::max(0.0, 1.0 - keep));
 }
 
 Status ValidateOptimizer(const OptimizerConfig& o) {

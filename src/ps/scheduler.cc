@@ -125,6 +125,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
                                            cfg_.sync.ToString())
                              : std::string("it has no budget (--max-gradients) to know its end by"));
     }
+    if (cfg_.staleness.temper_momentum) WarnIfTemperingIsIdle();
     if (cfg_.token.empty()) {
       spdlog::warn("scheduler: running without a cluster token (--insecure): anyone who can "
                    "reach {}:{} may join this job",
@@ -1407,6 +1408,28 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
     }
     ++counters_.policy_changes;
     audit_.Policy(rule_.open_round(), applied_.quorum, applied_.allowance);
+  }
+
+  // The staleness policy's +momentum where it cannot change anything the job's own settings
+  // show: said once at start (tensors registered with optimizers of their own may still be
+  // momentum SGD, so it is not refused).
+  void WarnIfTemperingIsIdle() const {
+    const OptimizerConfig& o = cfg_.optimizer;
+    std::string why;
+    if (cfg_.sync == SyncMode::Bsp()) {
+      why = "bsp applies no stale gradient";
+    } else if (o.kind != OptimizerKind::kMomentum) {
+      why = fmt::format("the job's optimizer is {}, and only momentum SGD has a momentum to "
+                        "temper (tensors registered with momentum SGD of their own still are)",
+                        OptimizerName(o.kind));
+    } else if (!(o.momentum > 0.0f && o.momentum < 1.0f)) {
+      why = fmt::format("the job's momentum {} is not between 0 and 1, where it decays",
+                        o.momentum);
+    }
+    if (!why.empty()) {
+      spdlog::warn("scheduler: the staleness policy's +momentum changes nothing in this job: {}",
+                   why);
+    }
   }
 
   // The gradients the job's budget counts: those of the checkpoint it started from, and those

@@ -1121,6 +1121,25 @@ class ServerNode final : public Server, public TransportHandler {
     if (all_one) member_weights.clear();
   }
 
+  // The mean staleness of the slice's gradients in this round (scratch.member_of), each
+  // counted with its weight as the sum counts it; 0 for a round of fresh gradients only. Where
+  // every weight rounded to 0 (exp:C far past its bound), the plain mean: those rounds are the
+  // stalest, not fresh.
+  double MeanStaleness(const PendingRound& r, const RoundScratch& scratch) const {
+    double weighed = 0.0;
+    double weights = 0.0;
+    double plain = 0.0;
+    for (size_t m : scratch.member_of) {
+      const double w = scratch.member_weights.empty() ? 1.0 : scratch.member_weights[m];
+      const auto s = static_cast<double>(Staleness(r.round, r.members[m].member.base));
+      weighed += w * s;
+      weights += w;
+      plain += s;
+    }
+    if (weights > 0.0) return weighed / weights;
+    return scratch.member_of.empty() ? 0.0 : plain / static_cast<double>(scratch.member_of.size());
+  }
+
   // dsync:auto weighs what a stale gradient is worth (ps/stale_worth.h): a round that has
   // both fresh and stale gradients is measured, one that has not says nothing. Notes which
   // members are fresh (`fresh_member`) and readies the round's agreement; false when the round
@@ -1229,6 +1248,9 @@ class ServerNode final : public Server, public TransportHandler {
       }
       OptimizerConfig opt = s->optimizer;
       if (r.lr) opt.lr = *r.lr;
+      if (opt.kind == OptimizerKind::kMomentum) {
+        opt.momentum = job_.staleness.RoundMomentum(opt.momentum, MeanStaleness(r, scratch));
+      }
       comp.bases = bases;
       if (measure) MeasureAgreement(r, *s, scratch);
       Status st = store_->ApplyRound(s->key, grads, weights, comp, opt);
