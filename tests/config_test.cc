@@ -1,6 +1,9 @@
 // Configuration: sync modes, optimizers, sizes, the environment bootstrap and validation.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -306,6 +309,37 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
 
 // The table every variable and flag comes from: each entry is whole and unique, its default
 // reads back to itself, and the README's table of variables documents it.
+TEST(Settings, AVariableNoNodeReadsIsNamedWithTheSettingItWasMeantToBe) {
+  const std::map<std::string, std::string> env = {
+      {"DSYNC_AUTO_FINISH", "10"},          // renamed
+      {"DSYNC_STALENES_POLICY", "inverse"},  // one letter left out
+      {"DSYNC_LR", "0.1"},                   // a setting
+      {"DSYNC_ROLE", "worker"},              // read besides the settings
+      {"DSYNC_WORKER_RANK", "3"},            // handed to workers by launchers
+      {"DSYNC_RXE_VM", "1"},                 // the project's scripts
+      {"DSYNC_FUZZ_SECONDS", "60"},
+      {"DMLC_NUM_WORKER", "2"},              // not ours to judge
+      {"HOME", "/root"},
+      {"DSYNC_COMPLETELY_DIFFERENT_THING", "1"}};
+  const std::vector<std::string> w = Config::UnknownVariables(env);
+  ASSERT_EQ(w.size(), 3u) << fmt::format("{}", fmt::join(w, " | "));
+  // In name order (the map's).
+  EXPECT_EQ(w[0], "DSYNC_AUTO_FINISH is not a setting and is ignored: it is DSYNC_FINISH_BSP now");
+  EXPECT_EQ(w[1], "DSYNC_COMPLETELY_DIFFERENT_THING is not a setting and is ignored (dsyncps "
+                  "--help lists them)");
+  EXPECT_EQ(w[2], "DSYNC_STALENES_POLICY is not a setting and is ignored: did you mean "
+                  "DSYNC_STALENESS_POLICY?");
+  // Every setting, and its ps-lite fallbacks, is known.
+  std::map<std::string, std::string> all;
+  for (const ps::Setting& s : ps::Settings()) {
+    all[std::string(s.env)] = "x";
+    for (std::string_view f : s.fallbacks) {
+      if (!f.empty()) all[std::string(f)] = "x";
+    }
+  }
+  EXPECT_TRUE(Config::UnknownVariables(all).empty());
+}
+
 TEST(Settings, EveryEntryIsWholeUniqueReadsBackAndIsDocumented) {
   std::ifstream readme(DSYNC_SOURCE_DIR "/README.md");
   const std::string doc((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());

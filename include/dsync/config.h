@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <vector>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -317,7 +318,13 @@ struct Config {
   // Launched by srun or mpirun without DSYNC_ROLE, the task rank picks the role: 0 the
   // scheduler, 1..num_servers servers, the rest workers (DSYNC_NUM_WORKERS defaults to them).
   static Result<Config> FromEnvironment(const std::map<std::string, std::string>& env);
+  // FromEnvironment over this process's environment; it also logs a warning for every DSYNC_*
+  // variable that no node reads (UnknownVariables).
   static Result<Config> FromProcessEnvironment();
+  // A warning for each DSYNC_* name in `env` that is no setting and nothing else the
+  // processes or the project's scripts read: a misspelt or renamed setting, which would
+  // otherwise be ignored in silence. Names the nearest setting, or the new name.
+  static std::vector<std::string> UnknownVariables(const std::map<std::string, std::string>& env);
   // With a task rank: rank 0 is the scheduler, 1..num_servers servers, the rest workers; with
   // a task count, num_workers = tasks - 1 - num_servers. Run again after flags change
   // num_servers (rank mode takes every flag).

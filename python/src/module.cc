@@ -155,6 +155,10 @@ class Worker {
       if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
     for (const auto& [k, v] : settings) env[k] = v;
+    // A misspelt or renamed DSYNC_* name would be ignored in silence: Python's warnings say so.
+    for (const std::string& w : dsync::Config::UnknownVariables(env)) {
+      py::module_::import("warnings").attr("warn")(w, py::module_::import("builtins").attr("RuntimeWarning"));
+    }
     dsync::Config config = ValueOrThrow(dsync::Config::FromEnvironment(env));
     if (config.role != dsync::Role::kWorker) {
       ThrowIfError(dsync::Status(

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include <spdlog/spdlog.h>
+
 extern char** environ;  // NOLINT: POSIX
 
 #include "ps/hostlist.h"
@@ -491,7 +493,16 @@ Result<Config> Config::FromProcessEnvironment() {
     if (eq == std::string_view::npos) continue;
     env.emplace(std::string(kv.substr(0, eq)), std::string(kv.substr(eq + 1)));
   }
+  for (const std::string& warning : UnknownVariables(env)) spdlog::warn("{}", warning);
   return FromEnvironment(env);
+}
+
+std::vector<std::string> Config::UnknownVariables(const std::map<std::string, std::string>& env) {
+  std::vector<std::string> out;
+  for (const auto& [name, value] : env) {
+    if (std::string w = ps::UnknownVariable(name); !w.empty()) out.push_back(std::move(w));
+  }
+  return out;
 }
 
 std::map<std::string, std::string> Config::ToEnvironment() const {

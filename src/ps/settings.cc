@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "ps/number_text.h"
 
@@ -337,6 +340,68 @@ constexpr Setting kSettings[] = {
 }  // namespace
 
 std::span<const Setting> Settings() { return kSettings; }
+
+namespace {
+
+// DSYNC_* variables read besides the settings: the role, what launchers hand the processes
+// they start, and (by prefix) what the project's build, test and VM scripts read.
+constexpr std::string_view kOtherVariables[] = {"DSYNC_ROLE", "DSYNC_READY_FD",
+                                                "DSYNC_WORKER_RANK"};
+constexpr std::string_view kScriptPrefixes[] = {"DSYNC_BUILD_", "DSYNC_RXE_", "DSYNC_SKIP_",
+                                                "DSYNC_FUZZ", "DSYNC_RDMA_VM_", "DSYNC_BENCH_"};
+// Settings that were renamed: (old, new).
+constexpr std::pair<std::string_view, std::string_view> kRenamed[] = {
+    {"DSYNC_AUTO_FINISH", "DSYNC_FINISH_BSP"},
+};
+
+// Edits (insert, delete, replace) from a to b: names are short and this runs once per
+// variable at start, so the plain quadratic table does.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::string UnknownVariable(std::string_view name) {
+  if (!name.starts_with("DSYNC_") || FindSetting(name) != nullptr) return "";
+  for (std::string_view other : kOtherVariables) {
+    if (name == other) return "";
+  }
+  for (std::string_view prefix : kScriptPrefixes) {
+    if (name.starts_with(prefix)) return "";
+  }
+  for (const auto& [old_name, new_name] : kRenamed) {
+    if (name == old_name) {
+      return fmt::format("{} is not a setting and is ignored: it is {} now", name, new_name);
+    }
+  }
+  // The nearest setting within a few edits (a slip of the keyboard, a word left out).
+  constexpr size_t kNear = 3;
+  std::string_view nearest;
+  size_t best = kNear + 1;
+  for (const Setting& s : kSettings) {
+    const size_t d = EditDistance(name, s.env);
+    if (d < best) {
+      best = d;
+      nearest = s.env;
+    }
+  }
+  if (!nearest.empty()) {
+    return fmt::format("{} is not a setting and is ignored: did you mean {}?", name, nearest);
+  }
+  return fmt::format("{} is not a setting and is ignored (dsyncps --help lists them)", name);
+}
 
 const Setting* FindSetting(std::string_view env) {
   for (const Setting& s : kSettings) {

@@ -46,4 +46,11 @@ const Setting* FindSetting(std::string_view env);
 Status ApplySetting(const Setting& setting, Config& config, std::string_view text,
                     std::string_view source);
 
+// What is wrong with a DSYNC_* variable in a node's environment that no node reads (a
+// misspelt or renamed setting, which would otherwise be ignored in silence), as a warning's
+// text ("DSYNC_AUTO_FINISH is not a setting and is ignored: it is DSYNC_FINISH_BSP now");
+// "" for a setting, a variable the processes read besides (DSYNC_ROLE, what launchers hand
+// their children) or one the project's scripts read, and for any name not starting DSYNC_.
+std::string UnknownVariable(std::string_view name);
+
 }  // namespace dsync::ps

@@ -94,3 +94,13 @@ def make_capsule(device_type):
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     return new(ctypes.addressof(m), b"dltensor", None)
+
+
+def test_a_misspelt_setting_is_named_in_a_warning_not_ignored():
+    # The environment's check runs before anything connects: a role no Python process can
+    # take stops the start right after it.
+    from dsyncps import _core
+    with pytest.warns(RuntimeWarning, match="DSYNC_STALENES_POLICY is not a setting and is "
+                      "ignored: did you mean DSYNC_STALENESS_POLICY"):
+        with pytest.raises(ValueError, match="Python processes are workers"):
+            _core.Worker.start({"DSYNC_ROLE": "server", "DSYNC_STALENES_POLICY": "inverse"})
