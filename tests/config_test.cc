@@ -307,8 +307,7 @@ TEST(ConfigEnvironment, ToEnvironmentGivesAnotherProcessTheSameJob) {
   EXPECT_EQ(back.link_delay_us, 0u);
 }
 
-// The table every variable and flag comes from: each entry is whole and unique, its default
-// reads back to itself, and the README's table of variables documents it.
+// A DSYNC_* name no node reads is said, never ignored in silence.
 TEST(Settings, AVariableNoNodeReadsIsNamedWithTheSettingItWasMeantToBe) {
   const std::map<std::string, std::string> env = {
       {"DSYNC_AUTO_FINISH", "10"},          // renamed
@@ -320,15 +319,30 @@ TEST(Settings, AVariableNoNodeReadsIsNamedWithTheSettingItWasMeantToBe) {
       {"DSYNC_FUZZ_SECONDS", "60"},
       {"DMLC_NUM_WORKER", "2"},              // not ours to judge
       {"HOME", "/root"},
-      {"DSYNC_COMPLETELY_DIFFERENT_THING", "1"}};
+      {"DSYNC_COMPLETELY_DIFFERENT_THING", "1"},
+      {"DSYNC_HOST", "a"},    // two edits from DSYNC_PORT: too far for a name this short
+      {"DSYNC_BETA", "0.9"},  // as near to BETA1 as to BETA2: both named
+      {"DSYNC_LRR", "0.1"},
+      {"DSYNC_BAD\nNAME", "1"}};  // shown without its control character
   const std::vector<std::string> w = Config::UnknownVariables(env);
-  ASSERT_EQ(w.size(), 3u) << fmt::format("{}", fmt::join(w, " | "));
+  ASSERT_EQ(w.size(), 7u) << fmt::format("{}", fmt::join(w, " | "));
   // In name order (the map's).
   EXPECT_EQ(w[0], "DSYNC_AUTO_FINISH is not a setting and is ignored: it is DSYNC_FINISH_BSP now");
-  EXPECT_EQ(w[1], "DSYNC_COMPLETELY_DIFFERENT_THING is not a setting and is ignored (dsyncps "
-                  "--help lists them)");
-  EXPECT_EQ(w[2], "DSYNC_STALENES_POLICY is not a setting and is ignored: did you mean "
+  EXPECT_EQ(w[1], "DSYNC_BAD?NAME is not a setting and is ignored (README.md's table of "
+                  "variables, or dsyncps ROLE --help, lists them)");
+  EXPECT_EQ(w[2], "DSYNC_BETA is not a setting and is ignored: did you mean DSYNC_BETA1 or "
+                  "DSYNC_BETA2?");
+  EXPECT_EQ(w[3], "DSYNC_COMPLETELY_DIFFERENT_THING is not a setting and is ignored (README.md's "
+                  "table of variables, or dsyncps ROLE --help, lists them)");
+  EXPECT_EQ(w[4], "DSYNC_HOST is not a setting and is ignored (README.md's table of variables, "
+                  "or dsyncps ROLE --help, lists them)");
+  EXPECT_EQ(w[5], "DSYNC_LRR is not a setting and is ignored: did you mean DSYNC_LR?");
+  EXPECT_EQ(w[6], "DSYNC_STALENES_POLICY is not a setting and is ignored: did you mean "
                   "DSYNC_STALENESS_POLICY?");
+  // A process a launcher started: the launcher said it already.
+  std::map<std::string, std::string> child = env;
+  child["DSYNC_ENV_CHECKED"] = "1";
+  EXPECT_TRUE(Config::UnknownVariables(child).empty());
   // Every setting, and its ps-lite fallbacks, is known.
   std::map<std::string, std::string> all;
   for (const ps::Setting& s : ps::Settings()) {
@@ -340,6 +354,8 @@ TEST(Settings, AVariableNoNodeReadsIsNamedWithTheSettingItWasMeantToBe) {
   EXPECT_TRUE(Config::UnknownVariables(all).empty());
 }
 
+// The table every variable and flag comes from: each entry is whole and unique, its default
+// reads back to itself, and the README's table of variables documents it.
 TEST(Settings, EveryEntryIsWholeUniqueReadsBackAndIsDocumented) {
   std::ifstream readme(DSYNC_SOURCE_DIR "/README.md");
   const std::string doc((std::istreambuf_iterator<char>(readme)), std::istreambuf_iterator<char>());

@@ -58,9 +58,10 @@ class MultiProcess : public ::testing::Test {
   }
 
   // Runs `dsyncps ARGS` (stdout is a file: progress comes as plain lines).
-  std::string RunDsyncps(std::vector<std::string> args, int expect_exit = 0) {
+  std::string RunDsyncps(std::vector<std::string> args, int expect_exit = 0,
+                         const std::map<std::string, std::string>& env = {}) {
     args.insert(args.begin(), DSYNC_BINARY);
-    Proc p(args, {}, dir_ / "dsyncps.log");
+    Proc p(args, env, dir_ / "dsyncps.log");
     const int status = p.Wait(240s);
     const std::string out = p.Output();
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == expect_exit)
@@ -166,6 +167,19 @@ TEST_F(MultiProcess, LocalClusterOfSeparateProcessesTrainsTheModel) {
   EXPECT_NE(out.find("job finished"), std::string::npos);
   const auto rounds = CheckAudit(2);
   EXPECT_GE(rounds.size(), 60u);
+}
+
+TEST_F(MultiProcess, AMisspeltVariableIsSaidOnceByTheLauncherNotByEachProcessItStarts) {
+  const std::string out =
+      RunDsyncps({"local", "--timeout", "100", "--servers", "1", "--workers", "2", "--iters", "5"},
+                 0, {{"DSYNC_LRR", "0.1"}});
+  const std::string warning = "DSYNC_LRR is not a setting and is ignored: did you mean DSYNC_LR?";
+  size_t said = 0;
+  for (size_t at = out.find(warning); at != std::string::npos; at = out.find(warning, at + 1)) {
+    ++said;
+  }
+  EXPECT_EQ(said, 1u) << out;
+  EXPECT_NE(out.find("job finished"), std::string::npos) << out;
 }
 
 TEST_F(MultiProcess, SigkillMidPushIsAppliedNowhereAndAfterPushExactlyOnce) {

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "launcher.h"
+#include "ps/settings.h"
 #include "roles.h"
 #include "runtime/exec_image.h"
 
@@ -52,6 +53,9 @@ Result<std::string> FindProgram(const std::string& name) {
 std::map<std::string, std::string> WorkerEnvironment(const Config& job) {
   std::map<std::string, std::string> env = job.ToEnvironment();
   env["DSYNC_ROLE"] = "worker";
+  // This launcher said what was wrong with the environment it hands on (Config::
+  // UnknownVariables); the ranks need not say it again, each.
+  env[std::string(ps::kEnvironmentChecked)] = "1";
   return env;
 }
 

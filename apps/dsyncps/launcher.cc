@@ -22,6 +22,7 @@
 #include "launcher.h"
 #include "ps/keys.h"
 #include "ps/net_address.h"
+#include "ps/settings.h"
 #include "roles.h"
 #include "runtime/exec_image.h"
 
@@ -93,7 +94,11 @@ std::string DescribeSender(pid_t pid) {
 // and stderr go to a pipe returned in *out. `ready_fd` (or -1) is passed on as fd 3.
 pid_t Spawn(const std::string& self, const std::vector<std::string>& args,
             const std::map<std::string, std::string>& env, int ready_fd, int* out) {
-  const runtime::ExecImage image(self, args, env);  // before fork: see exec_image.h
+  // This launcher said what was wrong with the environment it hands on (Config::
+  // UnknownVariables); the processes it starts need not say it again, each.
+  auto checked = env;
+  checked[std::string(ps::kEnvironmentChecked)] = "1";
+  const runtime::ExecImage image(self, args, checked);  // before fork: see exec_image.h
   int p[2];
   if (pipe2(p, O_CLOEXEC) != 0) return -1;
   const pid_t parent = getpid();

@@ -323,7 +323,8 @@ struct Config {
   static Result<Config> FromProcessEnvironment();
   // A warning for each DSYNC_* name in `env` that is no setting and nothing else the
   // processes or the project's scripts read: a misspelt or renamed setting, which would
-  // otherwise be ignored in silence. Names the nearest setting, or the new name.
+  // otherwise be ignored in silence. Names the nearest setting, or the new name. None in a
+  // process a dsyncps launcher started (DSYNC_ENV_CHECKED): the launcher said it once.
   static std::vector<std::string> UnknownVariables(const std::map<std::string, std::string>& env);
   // With a task rank: rank 0 is the scheduler, 1..num_servers servers, the rest workers; with
   // a task count, num_workers = tasks - 1 - num_servers. Run again after flags change

@@ -155,9 +155,11 @@ class Worker {
       if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
     for (const auto& [k, v] : settings) env[k] = v;
-    // A misspelt or renamed DSYNC_* name would be ignored in silence: Python's warnings say so.
-    for (const std::string& w : dsync::Config::UnknownVariables(env)) {
-      py::module_::import("warnings").attr("warn")(w, py::module_::import("builtins").attr("RuntimeWarning"));
+    // A misspelt or renamed DSYNC_* name would be ignored in silence: Python's warnings say so,
+    // pointing at the caller of dsyncps.init() or observe() (stacklevel 3 from here).
+    if (const auto unknown = dsync::Config::UnknownVariables(env); !unknown.empty()) {
+      const py::object warn = py::module_::import("warnings").attr("warn");
+      for (const std::string& w : unknown) warn(w, py::handle(PyExc_RuntimeWarning), 3);
     }
     dsync::Config config = ValueOrThrow(dsync::Config::FromEnvironment(env));
     if (config.role != dsync::Role::kWorker) {

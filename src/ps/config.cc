@@ -499,6 +499,7 @@ Result<Config> Config::FromProcessEnvironment() {
 
 std::vector<std::string> Config::UnknownVariables(const std::map<std::string, std::string>& env) {
   std::vector<std::string> out;
+  if (env.contains(std::string(ps::kEnvironmentChecked))) return out;
   for (const auto& [name, value] : env) {
     if (std::string w = ps::UnknownVariable(name); !w.empty()) out.push_back(std::move(w));
   }

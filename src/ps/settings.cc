@@ -346,7 +346,7 @@ namespace {
 // DSYNC_* variables read besides the settings: the role, what launchers hand the processes
 // they start, and (by prefix) what the project's build, test and VM scripts read.
 constexpr std::string_view kOtherVariables[] = {"DSYNC_ROLE", "DSYNC_READY_FD",
-                                                "DSYNC_WORKER_RANK"};
+                                                "DSYNC_WORKER_RANK", kEnvironmentChecked};
 constexpr std::string_view kScriptPrefixes[] = {"DSYNC_BUILD_", "DSYNC_RXE_", "DSYNC_SKIP_",
                                                 "DSYNC_FUZZ", "DSYNC_RDMA_VM_", "DSYNC_BENCH_"};
 // Settings that were renamed: (old, new).
@@ -354,9 +354,12 @@ constexpr std::pair<std::string_view, std::string_view> kRenamed[] = {
     {"DSYNC_AUTO_FINISH", "DSYNC_FINISH_BSP"},
 };
 
-// Edits (insert, delete, replace) from a to b: names are short and this runs once per
-// variable at start, so the plain quadratic table does.
-size_t EditDistance(std::string_view a, std::string_view b) {
+// Edits (insert, delete, replace) from a to b, or more than `limit` once that is certain:
+// names are short and this runs once per variable at start, so the plain table does; the
+// length check keeps a hostile environment's long names cheap.
+size_t EditDistance(std::string_view a, std::string_view b, size_t limit) {
+  const size_t apart = a.size() > b.size() ? a.size() - b.size() : b.size() - a.size();
+  if (apart > limit) return limit + 1;
   std::vector<size_t> row(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
@@ -371,6 +374,16 @@ size_t EditDistance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
+// The name as a log line may show it: control characters (a newline would forge a line of
+// its own) and anything beyond ASCII become '?'.
+std::string Printable(std::string_view name) {
+  std::string out(name);
+  for (char& c : out) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string UnknownVariable(std::string_view name) {
@@ -381,26 +394,37 @@ std::string UnknownVariable(std::string_view name) {
   for (std::string_view prefix : kScriptPrefixes) {
     if (name.starts_with(prefix)) return "";
   }
+  const std::string shown = Printable(name);
   for (const auto& [old_name, new_name] : kRenamed) {
     if (name == old_name) {
-      return fmt::format("{} is not a setting and is ignored: it is {} now", name, new_name);
+      return fmt::format("{} is not a setting and is ignored: it is {} now", shown, new_name);
     }
   }
-  // The nearest setting within a few edits (a slip of the keyboard, a word left out).
-  constexpr size_t kNear = 3;
-  std::string_view nearest;
-  size_t best = kNear + 1;
+  // The nearest settings, a slip of the keyboard or a word left out away: at most a third of
+  // the name after DSYNC_ (and 3) edits, so that short names are not matched to any other
+  // short name (DSYNC_HOST is not DSYNC_PORT).
+  constexpr size_t kPrefix = 6;  // "DSYNC_"
+  const std::string_view word = name.substr(kPrefix);
+  const size_t limit = std::min<size_t>(3, word.size() / 3);
+  size_t best = limit + 1;
+  std::vector<std::string_view> nearest;
   for (const Setting& s : kSettings) {
-    const size_t d = EditDistance(name, s.env);
-    if (d < best) {
-      best = d;
-      nearest = s.env;
-    }
+    const size_t d = EditDistance(word, s.env.substr(kPrefix), limit);
+    if (d > limit || d > best) continue;
+    if (d < best) nearest.clear();
+    best = d;
+    nearest.push_back(s.env);
   }
   if (!nearest.empty()) {
-    return fmt::format("{} is not a setting and is ignored: did you mean {}?", name, nearest);
+    std::string names(nearest[0]);
+    for (size_t i = 1; i < nearest.size(); ++i) {
+      names += fmt::format("{}{}", i + 1 == nearest.size() ? " or " : ", ", nearest[i]);
+    }
+    return fmt::format("{} is not a setting and is ignored: did you mean {}?", shown, names);
   }
-  return fmt::format("{} is not a setting and is ignored (dsyncps --help lists them)", name);
+  return fmt::format("{} is not a setting and is ignored (README.md's table of variables, or "
+                     "dsyncps ROLE --help, lists them)",
+                     shown);
 }
 
 const Setting* FindSetting(std::string_view env) {
