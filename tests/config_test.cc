@@ -114,6 +114,13 @@ TEST(StalenessPolicy, DelayCompensationParsesAloneOrAfterAWeightAndKeepsWhatTheM
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
     EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
   }
+  // A factor large enough to print with an exponent reads back: "1e+18" would split at '+'.
+  for (const char* text : {"dc:1000000000000000000", "dca:3e20,2", "inverse+dc:1e18+momentum"}) {
+    const StalenessPolicy p = StalenessPolicy::Parse(text).value();
+    const auto again = StalenessPolicy::Parse(p.ToString());
+    ASSERT_TRUE(again.ok()) << p.ToString() << ": " << again.status().ToString();
+    EXPECT_EQ(*again, p) << text;
+  }
   EXPECT_NE(StalenessPolicy::Parse("dc:1,65").status().message().find("must be 1 to 64"),
             std::string::npos);
   EXPECT_NE(StalenessPolicy::Parse("dc:0").status().message().find("above 0"), std::string::npos);

@@ -160,6 +160,14 @@ Status ParseWeight(std::string_view whole, std::string_view text, StalenessPolic
                kStalenessForms);
 }
 
+// A number of a policy's text: fmt's shortest form, which reads back to the same float, with
+// no '+' in its exponent ("1e+18" is "1e18"): a '+' joins the policy's parts.
+std::string PolicyNumber(float v) {
+  std::string text = fmt::format("{}", v);
+  std::erase(text, '+');
+  return text;
+}
+
 }  // namespace
 
 Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view whole) {
@@ -200,7 +208,7 @@ std::string StalenessPolicy::ToString() const {
   switch (kind) {
     case StalenessKind::kNone: weight = "none"; break;
     case StalenessKind::kInverse: weight = "inverse"; break;
-    case StalenessKind::kExp: weight = fmt::format("exp:{}", base); break;
+    case StalenessKind::kExp: weight = "exp:" + PolicyNumber(base); break;
   }
   std::string text = kind == StalenessKind::kNone ? "" : weight;
   const auto add = [&](std::string_view part) {
@@ -208,7 +216,7 @@ std::string StalenessPolicy::ToString() const {
     text += part;
   };
   if (compensation != 0.0f) {
-    std::string dc = fmt::format("{}:{}", adaptive ? "dca" : "dc", compensation);
+    std::string dc = fmt::format("{}:{}", adaptive ? "dca" : "dc", PolicyNumber(compensation));
     if (depth != 0) dc += fmt::format(",{}", depth);
     add(dc);
   }
