@@ -114,6 +114,8 @@ TEST(StalenessPolicy, DelayCompensationParsesAloneOrAfterAWeightAndKeepsWhatTheM
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
     EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
   }
+  EXPECT_FALSE(StalenessPolicy::Parse("dc:0x1p-149").ok());  // a subnormal factor
+  EXPECT_FALSE(StalenessPolicy::Parse("exp:0x1p-149").ok());
   // A factor large enough to print with an exponent reads back: "1e+18" would split at '+'.
   for (const char* text : {"dc:1000000000000000000", "dca:3e20,2", "inverse+dc:1e18+momentum"}) {
     const StalenessPolicy p = StalenessPolicy::Parse(text).value();
@@ -549,7 +551,9 @@ TEST(ConfigEnvironment, TheFinishAsBspDefaultsByModeAndIsAPercentage) {
 }
 
 TEST(ConfigEnvironment, RefusesNumbersAFloatCannotHold) {
-  for (const char* text : {"1e999", "-1e999", "1e-999"}) {
+  // 0x1p-149 is a subnormal strtof reads exactly (no ERANGE); its shortest text, 1e-45, would
+  // then not read back.
+  for (const char* text : {"1e999", "-1e999", "1e-999", "0x1p-149", "1e-40"}) {
     auto c = Config::FromEnvironment({{"DSYNC_LR", text}});
     ASSERT_FALSE(c.ok()) << text;
     EXPECT_NE(c.status().message().find("DSYNC_LR"), std::string::npos) << c.status().message();

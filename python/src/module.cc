@@ -156,10 +156,19 @@ class Worker {
     }
     for (const auto& [k, v] : settings) env[k] = v;
     // A misspelt or renamed DSYNC_* name would be ignored in silence: Python's warnings say so,
-    // pointing at the caller of dsyncps.init() or observe() (stacklevel 3 from here).
-    if (const auto unknown = dsync::Config::UnknownVariables(env); !unknown.empty()) {
+    // pointing at the caller of dsyncps.init() or observe() (stacklevel 2: this C++ function
+    // has no frame of its own). The settings passed here are always checked; the inherited
+    // environment only where no launcher did (DSYNC_ENV_CHECKED, which `dsyncps launch` and
+    // `join` set).
+    std::map<std::string, std::string> unchecked;
+    if (!env.contains("DSYNC_ENV_CHECKED")) unchecked = env;
+    for (const auto& [k, v] : settings) {
+      if (k != "DSYNC_ENV_CHECKED") unchecked[k] = v;
+    }
+    unchecked.erase("DSYNC_ENV_CHECKED");
+    if (const auto unknown = dsync::Config::UnknownVariables(unchecked); !unknown.empty()) {
       const py::object warn = py::module_::import("warnings").attr("warn");
-      for (const std::string& w : unknown) warn(w, py::handle(PyExc_RuntimeWarning), 3);
+      for (const std::string& w : unknown) warn(w, py::handle(PyExc_RuntimeWarning), 2);
     }
     dsync::Config config = ValueOrThrow(dsync::Config::FromEnvironment(env));
     if (config.role != dsync::Role::kWorker) {

@@ -2,7 +2,9 @@
 
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 namespace dsync::ps {
@@ -32,8 +34,10 @@ Result<float> ParseFloat(std::string_view what, std::string_view text) {
   if (s.empty() || end != s.c_str() + s.size()) {
     return Error(StatusCode::kInvalidArgument, "{}'{}' is not a number", Prefix(what), text);
   }
-  // strtof saturates to infinity (or flushes towards 0) and says so only in errno.
-  if (errno == ERANGE) {
+  // strtof saturates to infinity (or flushes towards 0) and says so only in errno; glibc
+  // leaves errno alone for a subnormal it could represent exactly (0x1p-149), whose shortest
+  // text ("1e-45") would then be refused on the way back: refused alike.
+  if (errno == ERANGE || (v != 0.0f && std::fabs(v) < std::numeric_limits<float>::min())) {
     return Error(StatusCode::kInvalidArgument,
                  "{}'{}' does not fit a 32-bit float (magnitudes 1.2e-38 .. 3.4e38, or 0)",
                  Prefix(what), text);

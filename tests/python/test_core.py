@@ -96,11 +96,23 @@ def make_capsule(device_type):
     return new(ctypes.addressof(m), b"dltensor", None)
 
 
-def test_a_misspelt_setting_is_named_in_a_warning_not_ignored():
+def test_a_misspelt_setting_is_named_in_a_warning_not_ignored(monkeypatch):
     # The environment's check runs before anything connects: a role no Python process can
     # take stops the start right after it.
+    import warnings
     from dsyncps import _core
     with pytest.warns(RuntimeWarning, match="DSYNC_STALENES_POLICY is not a setting and is "
                       "ignored: did you mean DSYNC_STALENESS_POLICY"):
         with pytest.raises(ValueError, match="Python processes are workers"):
             _core.Worker.start({"DSYNC_ROLE": "server", "DSYNC_STALENES_POLICY": "inverse"})
+    # Under a launcher (DSYNC_ENV_CHECKED) the inherited environment was said by it; the
+    # settings passed here still are checked.
+    monkeypatch.setenv("DSYNC_ENV_CHECKED", "1")
+    monkeypatch.setenv("DSYNC_LRR", "0.1")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="Python processes are workers"):
+            _core.Worker.start({"DSYNC_ROLE": "server", "DSYNC_MOMENTUMM": "0.5"})
+    texts = [str(w.message) for w in said]
+    assert texts == ["DSYNC_MOMENTUMM is not a setting and is ignored: did you mean "
+                     "DSYNC_MOMENTUM?"], texts
