@@ -160,12 +160,10 @@ class Worker {
     // has no frame of its own). The settings passed here are always checked; the inherited
     // environment only where no launcher did (DSYNC_ENV_CHECKED, which `dsyncps launch` and
     // `join` set).
-    std::map<std::string, std::string> unchecked;
-    if (!env.contains("DSYNC_ENV_CHECKED")) unchecked = env;
-    for (const auto& [k, v] : settings) {
-      if (k != "DSYNC_ENV_CHECKED") unchecked[k] = v;
-    }
-    unchecked.erase("DSYNC_ENV_CHECKED");
+    // The name is ps::kEnvironmentChecked, which this module (public API only) cannot see.
+    const std::string checked = "DSYNC_ENV_CHECKED";
+    std::map<std::string, std::string> unchecked = env.contains(checked) ? settings : env;
+    unchecked.erase(checked);
     if (const auto unknown = dsync::Config::UnknownVariables(unchecked); !unknown.empty()) {
       const py::object warn = py::module_::import("warnings").attr("warn");
       for (const std::string& w : unknown) warn(w, py::handle(PyExc_RuntimeWarning), 2);

@@ -1248,7 +1248,7 @@ class ServerNode final : public Server, public TransportHandler {
       }
       OptimizerConfig opt = s->optimizer;
       if (r.lr) opt.lr = *r.lr;
-      if (opt.kind == OptimizerKind::kMomentum) {
+      if (opt.kind == OptimizerKind::kMomentum && job_.staleness.temper_momentum) {
         opt.momentum = job_.staleness.RoundMomentum(opt.momentum, MeanStaleness(r, scratch));
       }
       comp.bases = bases;
