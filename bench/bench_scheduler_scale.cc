@@ -5,11 +5,15 @@
 //
 //   bench_scheduler_scale [--workers 1000,10000] [--modes "bsp;dsync:2;dsync:auto"]
 //                         [--commits 200000] [--max-seconds 10] [--changes 200] [--reps 3]
+//                         [--jitter 0] [--no-payoff]
 //
 // Simulated workers commit in turns, in one random order (not by id: the rule's checks may
 // stop at the first worker that holds a round up; joiners come last), each on the newest
 // version once its pull gate allows (the servers apply every round at once); one worker of
-// ten is three times slower and commits on one turn of three.
+// ten is three times slower and commits on one turn of three. The iteration times dsync:auto's
+// policy observes are 10 ms and, for those, 30 ms, each times a factor drawn uniformly from
+// [1 - J, 1 + J] with --jitter J: with J = 0 the paces never move once measured, with J > 0
+// the reference moves at nearly every commit and the stragglers' ratios with it.
 //
 // Per commit: what the scheduler does with one (RoundRule::Commit, then CloseReady; under
 // dsync:auto first AutoPolicy::Observe and the decision: Decide, DelayPayoff::Gate and the
@@ -19,7 +23,8 @@
 // Join/Leave and a decision. A run stops after --commits or --max-seconds; the runs of one
 // size are interleaved over the modes. Under dsync:auto the payoff check measures paces in
 // real seconds, so what it does by the end of a run (its phase) depends on how fast the run
-// went; the table says it.
+// went; the table says it. With --no-payoff the policy's proposals are applied as they come,
+// as if every trial passed: the cost of a job that delays its stragglers.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -46,6 +51,8 @@ struct Options {
   double max_seconds = 10;  // a run stops earlier, after this long
   uint32_t membership_changes = 200;
   int reps = 3;
+  double jitter = 0;  // of the observed iteration times, relative
+  bool no_payoff = false;  // dsync:auto applies the policy's proposals as they come
 };
 
 struct Costs {
@@ -64,7 +71,8 @@ double Now() {
 // One simulated job: the rule, and under dsync:auto what the scheduler decides with.
 class Job {
  public:
-  Job(const SyncMode& mode, uint32_t workers) : rule_(mode) {
+  Job(const SyncMode& mode, uint32_t workers, double jitter, bool gate)
+      : rule_(mode), gate_(gate), jitter_(jitter) {
     if (mode.adaptive) {
       ps::AutoPolicyOptions o;
       o.max_bound = mode.bound;
@@ -123,7 +131,8 @@ class Job {
       const Version base = rule_.open_round();
       if (policy_) {
         // Iteration time as the scheduler measures it (begin -> commit): a straggler's is 3x.
-        policy_->Observe(id, s.straggler ? 0.03 : 0.01);
+        const double noise = jitter_ > 0 ? jitter_ * (2.0 * unit_(jitter_rng_) - 1.0) : 0.0;
+        policy_->Observe(id, (s.straggler ? 0.03 : 0.01) * (1.0 + noise));
         Decide();
       }
       DSYNC_ASSIGN_OR_RETURN(ps::CommitResult c, rule_.Commit(id, s.clock, base));
@@ -139,6 +148,7 @@ class Job {
   // dsync:auto: what it does at the end of the run ("" in other modes).
   std::string phase() const {
     if (!payoff_) return "";
+    if (!gate_) return "no payoff check";
     switch (payoff_->phase()) {
       case ps::DelayPayoff::Phase::kBsp: return "bsp";
       case ps::DelayPayoff::Phase::kTrial: return "trial";
@@ -161,13 +171,11 @@ class Job {
   // to the rule.
   void Decide() {
     policy_->Decide();
-    ps::AutoDecision d = payoff_->Gate(policy_->decision());
+    const ps::AutoDecision& d =
+        gate_ ? payoff_->Gate(policy_->decision()) : policy_->decision();
     if (d == applied_) return;
-    applied_ = std::move(d);
-    for (const auto& [id, allowance] : applied_.allowance) {
-      if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
-    }
-    (void)rule_.SetQuorum(applied_.quorum);
+    (void)ps::ApplyDecision(rule_, applied_, d);
+    applied_ = d;
   }
 
   void CloseReady() {
@@ -186,6 +194,10 @@ class Job {
   std::optional<ps::AutoPolicy> policy_;
   std::optional<ps::DelayPayoff> payoff_;
   ps::AutoDecision applied_;
+  bool gate_;  // the payoff check gates the proposals (else applied as they come)
+  double jitter_;
+  std::uniform_real_distribution<double> unit_{0.0, 1.0};
+  std::mt19937 jitter_rng_{2};
   std::vector<Sim> sims_;        // by id - kFirstWorkerId
   std::vector<WorkerId> order_;  // every worker that joined, in the order they commit in
   size_t oldest_ = 0;            // index in sims_ of the longest-joined live worker, or less
@@ -197,7 +209,7 @@ class Job {
 };
 
 Result<Costs> Measure(const SyncMode& mode, uint32_t workers, const Options& o) {
-  Job job(mode, workers);
+  Job job(mode, workers, o.jitter, !o.no_payoff);
   Costs c;
   const auto t0 = SteadyClock::now();
   // Whole turns without a commit: nobody's gate can open any more.
@@ -234,6 +246,11 @@ int Main(int argc, char** argv) {
   app.add_option("--max-seconds", o.max_seconds, "a run stops after this long");
   app.add_option("--changes", o.membership_changes, "joins (each with a leave) per run");
   app.add_option("--reps", o.reps, "runs per row, interleaved over the modes");
+  app.add_option("--jitter", o.jitter, "relative noise of dsync:auto's observed times")
+      ->check(CLI::Range(0.0, 0.9));
+  app.add_flag("--no-payoff", o.no_payoff,
+               "dsync:auto applies the policy's proposals without the payoff check: a job "
+               "that delays its stragglers from their first measurement on");
   CLI11_PARSE(app, argc, argv);
   QuietLogs();
   std::vector<SyncMode> modes;
@@ -275,7 +292,8 @@ int Main(int argc, char** argv) {
                   static_cast<unsigned long>(last.commits),
                   static_cast<unsigned long>(last.rounds), spread.c_str(), Median(round),
                   Median(change), last.phase.c_str());
-      rows.push_back({{"workers", w}, {"mode", modes[k].ToString()}, {"commits", last.commits},
+      rows.push_back({{"workers", w}, {"mode", modes[k].ToString()}, {"jitter", o.jitter},
+                      {"commits", last.commits},
                       {"rounds", last.rounds}, {"us_per_commit", Median(commit)},
                       {"us_per_commit_min", Min(commit)}, {"us_per_commit_max", Max(commit)},
                       {"us_per_round", Median(round)}, {"us_per_membership_change", Median(change)},

@@ -5,7 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <iterator>
 #include <map>
+#include <random>
+#include <utility>
+#include <vector>
 
 #include "ps/round_rule.h"
 
@@ -31,8 +37,8 @@ TEST(AutoPolicy, BalancedWorkersAreBulkSynchronous) {
   for (WorkerId w = 1000; w < 1004; ++w) p.Join(w);
   Feed(p, {{1000, 0.010}, {1001, 0.011}, {1002, 0.0095}, {1003, 0.0105}});
   EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
-  for (const auto& [w, allow] : p.decision().allowance) EXPECT_EQ(allow, 0u) << w;
-  EXPECT_EQ(p.decision().allowance.size(), 4u);
+  EXPECT_TRUE(p.decision().allowance.empty());  // nobody delayed
+  for (WorkerId w = 1000; w < 1004; ++w) EXPECT_EQ(p.decision().allowance.at(w), 0u) << w;
   EXPECT_NE(p.Describe().find("as bsp"), std::string::npos) << p.Describe();
 }
 
@@ -144,26 +150,161 @@ TEST(AutoPolicy, MembershipChangesAreReDecided) {
   EXPECT_TRUE(p.Decide());
   EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
   EXPECT_FALSE(p.decision().allowance.contains(1002));
-  // A joiner is waited for until it has been measured, then judged like everyone else.
+  // A joiner is waited for until it has been measured, then judged like everyone else. Its
+  // joining changes no decision: nobody is delayed, and the rule waits for every live worker.
   p.Join(1003);
-  EXPECT_TRUE(p.Decide());
+  EXPECT_FALSE(p.Decide());
   EXPECT_EQ(p.decision().allowance.at(1003), 0u);
   Feed(p, {{1000, 0.01}, {1001, 0.01}, {1003, 0.025}});
   EXPECT_EQ(p.decision().quorum, 2u);
   EXPECT_EQ(p.decision().allowance.at(1003), 4u);  // ceil(2.5) + 1
-  // One leaves and another joins between two decisions: as many workers, other ones.
+  // One leaves and another joins between two decisions: as many workers, other ones, and
+  // the same decision (the quorum counts workers, whichever they are).
   p.Leave(1001);
   p.Join(1004);
-  EXPECT_TRUE(p.Decide());
-  EXPECT_EQ(p.decision().allowance,
-            (std::map<WorkerId, uint32_t>{{1000, 0}, {1003, 4}, {1004, 0}}));
+  EXPECT_FALSE(p.Decide());
+  Allowances expected;
+  expected.Set(1003, 4);
+  EXPECT_EQ(p.decision().allowance, expected);
+  EXPECT_EQ(p.decision().quorum, 2u);
   EXPECT_FALSE(p.Decide());  // nothing new: no change
+  // A worker leaving beside a straggler: one fewer in the quorum.
   p.Leave(1004);
+  EXPECT_TRUE(p.Decide());
+  EXPECT_EQ(p.decision().quorum, 1u);
   // A lone worker is never anyone's straggler.
   p.Leave(1000);
-  p.Decide();
+  EXPECT_TRUE(p.Decide());
   EXPECT_EQ(p.decision().quorum, SyncMode::kAll);
   EXPECT_EQ(p.decision().allowance.at(1003), 0u);
+  EXPECT_TRUE(p.decision().allowance.empty());
+}
+
+// The rule as plainly as it can be written: every worker judged at every decision against
+// the lower median of the measured workers' medians. AutoPolicy keeps the same decisions
+// by judging only what changed; this is what it must agree with.
+class PlainPolicy {
+ public:
+  explicit PlainPolicy(AutoPolicyOptions o) : opt_(o) {}
+  void Join(WorkerId w) { workers_.try_emplace(w); }
+  void Leave(WorkerId w) { workers_.erase(w); }
+  void Observe(WorkerId w, double seconds) {
+    auto it = workers_.find(w);
+    if (it == workers_.end() || !(seconds >= 0)) return;
+    Track& t = it->second;
+    if (t.recent.size() < opt_.window) {
+      t.recent.push_back(seconds);
+    } else {
+      t.recent[t.samples % opt_.window] = seconds;
+    }
+    ++t.samples;
+    std::vector<double> sorted = t.recent;
+    std::sort(sorted.begin(), sorted.end());
+    t.estimate = sorted[sorted.size() / 2];
+  }
+  // Every known worker's allowance (0 when not delayed), and the quorum.
+  std::pair<uint32_t, std::map<WorkerId, uint32_t>> Decide() {
+    std::vector<double> measured;
+    for (const auto& [id, t] : workers_) {
+      if (t.samples >= opt_.min_samples) measured.push_back(t.estimate);
+    }
+    std::sort(measured.begin(), measured.end());
+    const double ref = measured.empty() ? 0 : measured[(measured.size() - 1) / 2];
+    std::map<WorkerId, uint32_t> allowance;
+    uint32_t fast = 0;
+    for (auto& [id, t] : workers_) {
+      uint32_t allow = 0;
+      if (ref > 0 && t.samples >= opt_.min_samples && workers_.size() > 1) {
+        const double ratio = t.estimate / ref;
+        const bool was = t.straggler;
+        t.straggler = t.straggler ? ratio >= opt_.recover_ratio : ratio > opt_.slow_ratio;
+        if (t.straggler) {
+          allow = static_cast<uint32_t>(
+              std::min<double>(opt_.max_bound, std::ceil(ratio - 1e-6) + opt_.margin));
+          if (was && allow < t.allowance && allow + 2 > t.allowance) allow = t.allowance;
+        }
+      } else {
+        t.straggler = false;
+      }
+      t.allowance = allow;
+      allowance[id] = allow;
+      fast += allow == 0 ? 1 : 0;
+    }
+    const uint32_t quorum = fast == workers_.size() ? SyncMode::kAll : std::max<uint32_t>(fast, 1);
+    return {quorum, allowance};
+  }
+
+ private:
+  struct Track {
+    std::vector<double> recent;
+    uint32_t samples = 0;
+    double estimate = 0;
+    bool straggler = false;
+    uint32_t allowance = 0;
+  };
+  AutoPolicyOptions opt_;
+  std::map<WorkerId, Track> workers_;
+};
+
+// Random jobs: workers of a few paces (some near the thresholds and the allowance's steps,
+// where rounding decides), paces that change, a little noise, joins and leaves, several
+// maximum bounds; after every observation both decide, and they must agree on every
+// worker's allowance and the quorum.
+TEST(AutoPolicy, DecidesAsThePlainRuleOnRandomJobs) {
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    std::mt19937 rng(seed);
+    AutoPolicyOptions o;
+    o.max_bound = std::uniform_int_distribution<uint32_t>(1, 9)(rng);
+    o.margin = seed % 3 == 0 ? 0 : 1;
+    AutoPolicy fast(o);
+    PlainPolicy plain(o);
+    std::map<WorkerId, double> pace;
+    WorkerId next = 1000;
+    const double paces[] = {1.0, 1.0, 1.0, 1.1, 1.3, 1.5, 1.6, 2.0, 2.5, 3.0, 3.0001, 4.7, 9.0};
+    auto pick = [&] { return paces[std::uniform_int_distribution<size_t>(0, 12)(rng)]; };
+    const int initial = std::uniform_int_distribution<int>(1, 24)(rng);
+    for (int i = 0; i < initial; ++i) {
+      pace[next] = pick();
+      fast.Join(next);
+      plain.Join(next++);
+    }
+    std::uniform_real_distribution<double> unit(0, 1);
+    for (int step = 0; step < 3000; ++step) {
+      const double event = unit(rng);
+      if (event < 0.01) {
+        pace[next] = pick();
+        fast.Join(next);
+        plain.Join(next++);
+      } else if (event < 0.02 && pace.size() > 1) {
+        auto it = std::next(pace.begin(), std::uniform_int_distribution<ptrdiff_t>(
+                                              0, static_cast<ptrdiff_t>(pace.size()) - 1)(rng));
+        fast.Leave(it->first);
+        plain.Leave(it->first);
+        pace.erase(it);
+      } else if (event < 0.04 && !pace.empty()) {
+        std::next(pace.begin(), std::uniform_int_distribution<ptrdiff_t>(
+                                    0, static_cast<ptrdiff_t>(pace.size()) - 1)(rng))
+            ->second = pick();
+      } else if (!pace.empty()) {
+        auto it = std::next(pace.begin(), std::uniform_int_distribution<ptrdiff_t>(
+                                              0, static_cast<ptrdiff_t>(pace.size()) - 1)(rng));
+        // Mostly exact paces (ties, and ratios on a step), sometimes noisy ones.
+        const double noise = unit(rng) < 0.3 ? 1.0 + 0.2 * (unit(rng) - 0.5) : 1.0;
+        fast.Observe(it->first, 0.01 * it->second * noise);
+        plain.Observe(it->first, 0.01 * it->second * noise);
+      }
+      fast.Decide();
+      const auto [quorum, allowance] = plain.Decide();
+      ASSERT_EQ(fast.decision().quorum, quorum) << "seed " << seed << " step " << step;
+      size_t delayed = 0;
+      for (const auto& [w, allow] : allowance) {
+        ASSERT_EQ(fast.decision().allowance.at(w), allow)
+            << "seed " << seed << " step " << step << " worker " << w;
+        delayed += allow > 0 ? 1 : 0;
+      }
+      ASSERT_EQ(fast.decision().allowance.size(), delayed) << "seed " << seed << " step " << step;
+    }
+  }
 }
 
 // --- the rule under the policy ----------------------------------------------------------
@@ -205,6 +346,7 @@ TEST(RoundRuleAuto, PolicyLetsFastWorkersRunWhileTheStragglerIsSlowAndBoundsStal
   };
   std::map<WorkerId, W> ws;
   Version applied = 0;
+  AutoDecision followed;  // what the rule follows
   uint32_t max_staleness = 0;
   uint64_t straggler_rounds_missed = 0;
   auto period = [](WorkerId w, int tick) { return w == 1003 && tick < 3000 ? 30 : 10; };
@@ -222,10 +364,8 @@ TEST(RoundRuleAuto, PolicyLetsFastWorkersRunWhileTheStragglerIsSlowAndBoundsStal
       if (--s.left > 0) continue;
       policy.Observe(w, period(w, tick) * 1e-3);
       if (policy.Decide()) {
-        for (const auto& [id, allow] : policy.decision().allowance) {
-          ASSERT_TRUE(rule.SetAllowance(id, allow).ok());
-        }
-        ASSERT_TRUE(rule.SetQuorum(policy.decision().quorum).ok());
+        ASSERT_TRUE(ApplyDecision(rule, followed, policy.decision()).ok());
+        followed = policy.decision();
       }
       auto c = rule.Commit(w, s.clock, s.base);
       ASSERT_TRUE(c.ok()) << c.status().ToString();
@@ -252,8 +392,10 @@ TEST(RoundRuleAuto, PolicyLetsFastWorkersRunWhileTheStragglerIsSlowAndBoundsStal
   EXPECT_GT(ws[1003].clock, 90u);
   EXPECT_GT(rule.open_round(), 330u);
   EXPECT_LE(rule.stats().gradients_committed - rule.stats().gradients_placed, 4u * (kMax + 1));
-  // After the recovery the policy is back to bsp.
+  // After the recovery the policy is back to bsp, and so is the rule: the straggler it
+  // delayed is waited for again.
   EXPECT_EQ(policy.decision().quorum, SyncMode::kAll);
+  EXPECT_TRUE(followed.allowance.empty());
 }
 
 }  // namespace

@@ -64,8 +64,7 @@ void AuditLog::Member(std::string_view event, std::string_view role, NodeId id,
   Write(line);
 }
 
-void AuditLog::Policy(dsync::Round from_round, uint32_t quorum,
-                      const std::map<WorkerId, uint32_t>& allowance) {
+void AuditLog::Policy(dsync::Round from_round, uint32_t quorum, const Allowances& allowance) {
   if (!file_) return;
   fmt::memory_buffer line;
   fmt::format_to(std::back_inserter(line),

@@ -10,6 +10,7 @@
 
 #include "dsync/status.h"
 #include "dsync/types.h"
+#include "ps/auto_policy.h"
 
 namespace dsync::ps {
 
@@ -36,9 +37,9 @@ class AuditLog {
   // it connected from; "round": the first round it counts in), left, failed ("why").
   void Member(std::string_view event, std::string_view role, NodeId id, std::string_view address,
               std::string_view why = {}, std::optional<dsync::Round> round = std::nullopt);
-  // {"policy":{"from_round":R,"quorum":Q,"allowance":{"worker":rounds,...}}}
-  void Policy(dsync::Round from_round, uint32_t quorum,
-              const std::map<WorkerId, uint32_t>& allowance);
+  // {"policy":{"from_round":R,"quorum":Q,"allowance":{"worker":rounds,...}}}: the workers
+  // delayed (every other one's allowance is 0).
+  void Policy(dsync::Round from_round, uint32_t quorum, const Allowances& allowance);
   // {"lr":{"from_round":R,"value":LR,"worker":W}}: worker W set the learning rate of every
   // tensor to LR from round R on (Worker::SetLearningRate).
   void LearningRate(dsync::Round from_round, float lr, WorkerId worker);

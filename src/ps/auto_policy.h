@@ -25,13 +25,18 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsync/config.h"
+#include "dsync/status.h"
 #include "dsync/types.h"
 
 namespace dsync::ps {
+
+class RoundRule;
 
 struct AutoPolicyOptions {
   uint32_t max_bound = SyncMode::kDefaultAutoMax;
@@ -42,11 +47,39 @@ struct AutoPolicyOptions {
   uint32_t margin = 1;          // rounds of allowance beyond the measured ratio (jitter)
 };
 
+// The workers a decision delays, each with its allowance (> 0), in id order; every other
+// worker's allowance is 0. Only the delayed ones are held, so that a decision costs what the
+// stragglers cost, not what the job's size does: it is compared and handed on at every commit.
+class Allowances {
+ public:
+  using Entry = std::pair<WorkerId, uint32_t>;
+  // 0 for a worker not delayed.
+  uint32_t at(WorkerId w) const;
+  bool contains(WorkerId w) const { return at(w) > 0; }
+  // Sets w's allowance; 0 takes it out.
+  void Set(WorkerId w, uint32_t allowance);
+  void clear() { entries_.clear(); }
+  bool empty() const { return entries_.empty(); }
+  size_t size() const { return entries_.size(); }
+  std::vector<Entry>::const_iterator begin() const { return entries_.begin(); }
+  std::vector<Entry>::const_iterator end() const { return entries_.end(); }
+  bool operator==(const Allowances&) const = default;
+
+ private:
+  std::vector<Entry> entries_;
+};
+
 struct AutoDecision {
-  uint32_t quorum = SyncMode::kAll;        // kAll, or the number of fast workers
-  std::map<WorkerId, uint32_t> allowance;  // every known live worker
+  uint32_t quorum = SyncMode::kAll;  // kAll, or the number of fast workers
+  Allowances allowance;              // the delayed workers (the others: 0)
+  bool delays() const { return quorum != SyncMode::kAll || !allowance.empty(); }
   bool operator==(const AutoDecision&) const = default;
 };
+
+// Moves `rule` from the decision it follows, `from`, to `to`: the workers `from` delayed and
+// `to` does not go back to 0, the others get theirs, then the quorum. Workers no longer live
+// are passed by. The first error the rule gives, after trying the rest.
+Status ApplyDecision(RoundRule& rule, const AutoDecision& from, const AutoDecision& to);
 
 class AutoPolicy {
  public:
@@ -70,19 +103,54 @@ class AutoPolicy {
   double reference() const { return reference_; }
 
  private:
+  // A measured worker's place in the orders below: its estimate, then its id (unique).
+  using Key = std::pair<double, WorkerId>;
+  using Order = std::set<Key>;
+
   struct Track {
     std::vector<double> recent;  // ring of the last `window` samples
     uint32_t samples = 0;
     double estimate = 0;         // median of `recent`
+    bool measured = false;       // samples >= min_samples: in the orders below
     bool straggler = false;
+    bool dirty = false;          // its estimate changed since it was last judged
     uint32_t allowance = 0;
   };
+
+  // Decide's cost is kept to what changed, so that it does not grow with the job's size (it
+  // runs at every commit): the reference is the lower median kept by two ordered halves
+  // (low_'s largest is it), each measured worker sits in fast_ or slow_ by its estimate, so
+  // the workers crossing a threshold are those at an end of one of them, and a straggler's
+  // allowance, a step function of estimate / reference, is judged again only where its own
+  // estimate changed or the reference moved it across a step (a range of slow_ per step).
+  // Nodes move between the sets by extract and insert: nothing is allocated once a worker
+  // is measured.
+  void Place(Key key);                   // into low_ or high_ (allocates), then balanced
+  void PlaceNode(Order::node_type node);  // the same with a node taken out before
+  Order::node_type Unplace(Key key);      // out of low_ or high_, then balanced
+  void Balance();
+  static void Rekey(Order& order, Key from, Key to);
+  // Judges straggler w's allowance against the reference (as the header says, its
+  // hysteresis included; `was`: a straggler before this decision) and updates the decision;
+  // true when it changed.
+  bool JudgeAllowance(WorkerId w, Track& t, bool was);
+  bool Unstraggle(WorkerId w, Track& t);  // back to fast; true when the decision changed
+  // Stragglers whose estimate / reference may have crossed a step of the allowance when the
+  // reference moved from `before` to reference_: marked dirty.
+  void MarkCrossings(double before);
+
+  // ceil(ratio - kStepSlack): a ratio a rounding error above a whole number counts as it.
+  static constexpr double kStepSlack = 1e-6;
 
   AutoPolicyOptions opt_;
   std::map<WorkerId, Track> workers_;
   AutoDecision decision_;
+  bool left_delayed_ = false;  // a delayed worker left since the last Decide
   double reference_ = 0;
-  std::vector<double> scratch_;  // for medians, reused
+  Order low_, high_;   // measured estimates: low_ holds the lower (n + 1) / 2
+  Order fast_, slow_;  // measured workers by estimate: not stragglers / stragglers
+  std::vector<WorkerId> dirty_;  // stragglers to judge again (Track::dirty), reused
+  std::vector<double> scratch_;  // for a worker's median, reused
 };
 
 }  // namespace dsync::ps

@@ -11,40 +11,25 @@
 namespace dsync::ps {
 namespace {
 
-bool Delays(const AutoDecision& d) {
-  if (d.quorum != SyncMode::kAll) return true;
-  return std::any_of(d.allowance.begin(), d.allowance.end(),
-                     [](const auto& entry) { return entry.second > 0; });
-}
-
 // Whom a proposal delays: the workers it allows any delay, in id order.
 std::vector<WorkerId> Slow(const AutoDecision& d) {
   std::vector<WorkerId> slow;
-  for (const auto& [w, allowance] : d.allowance) {
-    if (allowance > 0) slow.push_back(w);
-  }
+  for (const auto& [w, allowance] : d.allowance) slow.push_back(w);
   return slow;
 }
 
 bool SameSlow(const AutoDecision& d, const std::vector<WorkerId>& slow) {
-  auto it = slow.begin();
-  for (const auto& [w, allowance] : d.allowance) {
-    if (allowance == 0) continue;
-    if (it == slow.end() || *it != w) return false;
-    ++it;
-  }
-  return it == slow.end();
+  return d.allowance.size() == slow.size() &&
+         std::equal(d.allowance.begin(), d.allowance.end(), slow.begin(),
+                    [](const auto& entry, WorkerId w) { return entry.first == w; });
 }
 
 std::string Names(const std::vector<WorkerId>& workers) {
   return workers.empty() ? std::string("nobody") : fmt::format("{}", fmt::join(workers, ", "));
 }
 
-AutoDecision AsBsp(const AutoDecision& d) {
-  AutoDecision bsp;
-  for (const auto& [w, allowance] : d.allowance) bsp.allowance[w] = 0;
-  return bsp;
-}
+// bsp: everyone waited for, nobody delayed.
+const AutoDecision kBsp{};
 
 }  // namespace
 
@@ -201,15 +186,15 @@ std::string DelayPayoff::reason() const {
   return reason_;
 }
 
-AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
+const AutoDecision& DelayPayoff::Gate(const AutoDecision& proposal) {
   if (finishing()) {
     why_ = Why::kFinishing;
     phase_ = Phase::kBsp;
-    return HandOut(AsBsp(proposal));
+    return HandOut(kBsp);
   }
-  AutoDecision out = proposal;
+  bool as_bsp = false;  // or the proposal
   why_ = Why::kSaid;
-  const bool proposes = Delays(proposal);
+  const bool proposes = proposal.delays();
   // Whether the proposal delays others than those being measured (bsp's pace, then the
   // trial, measure delaying these workers).
   const bool others = proposes && phase_ != Phase::kDelaying && !SameSlow(proposal, tried_);
@@ -250,16 +235,16 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
                           "round {}",
                           Names(was), Names(tried_), measured, opt_.measure_rounds,
                           retry_after_);
-    out = AsBsp(proposal);
+    as_bsp = true;
   } else if (phase_ == Phase::kBsp) {
     if (rounds_closed_ < retry_after_) {
       why_ = Why::kBackoff;
-      out = AsBsp(proposal);
+      as_bsp = true;
     } else if (!Spans(bsp_, opt_.min_baseline_rounds) || !(Pace(bsp_) > 0)) {
       why_ = Why::kMeasuringBsp;
       why_rounds_ = bsp_.rounds();
       why_seconds_ = bsp_.seconds();
-      out = AsBsp(proposal);
+      as_bsp = true;
     } else {
       // What delaying must beat: bsp's pace over the faster half of its measurement. A
       // measurement that a slow spell of the machine (startup's page faults, an evaluation
@@ -285,7 +270,7 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
                             "last {} rounds ({:.2f} s), below bsp's {:.4g}; bsp is measured "
                             "again and the next trial is after round {}",
                             pace, worth, rounds, seconds, bsp_pace_, retry_after_);
-      out = AsBsp(proposal);
+      as_bsp = true;
     }
   } else if (phase_ == Phase::kTrial && Spans(trial_, opt_.measure_rounds)) {
     const double pace = Pace(trial_);
@@ -310,14 +295,14 @@ AutoDecision DelayPayoff::Gate(const AutoDecision& proposal) {
                             "the {:.2f}x it must gain in each; the next trial after round {}",
                             pace, worth, gain, bsp_pace_, first, second, opt_.min_gain,
                             retry_after_);
-      out = AsBsp(proposal);
+      as_bsp = true;
     }
   }
-  return HandOut(std::move(out));
+  return HandOut(as_bsp ? kBsp : proposal);
 }
 
-AutoDecision DelayPayoff::HandOut(AutoDecision out) {
-  const bool delaying = Delays(out);
+const AutoDecision& DelayPayoff::HandOut(const AutoDecision& out) {
+  const bool delaying = out.delays();
   if (delaying != delaying_) settle_ = opt_.settle_rounds;
   delaying_ = delaying;
   return out;

@@ -85,8 +85,9 @@ class DelayPayoff {
   explicit DelayPayoff(DelayPayoffOptions options, StalenessPolicy staleness = {},
                        StaleWorthOptions worth = {});
 
-  // What to apply, given the policy's proposal: the proposal, or bsp for the same workers.
-  AutoDecision Gate(const AutoDecision& proposal);
+  // What to apply, given the policy's proposal: the proposal itself (the reference returned
+  // is `proposal`), or bsp. Nothing is copied: it runs at every commit.
+  const AutoDecision& Gate(const AutoDecision& proposal);
   // A round closed at `now` (seconds, any fixed origin).
   void RoundClosed(double now, const RoundRecord& round);
   // Workers joined or left: paces measured before are not comparable with those after.
@@ -153,7 +154,7 @@ class DelayPayoff {
   // A trial failed: bsp, and the next trial only after the backoff, which doubles.
   void GiveUp();
   // Hands `out` out: whether it delays, and the settling that a switch starts.
-  AutoDecision HandOut(AutoDecision out);
+  const AutoDecision& HandOut(const AutoDecision& out);
   // What the gradients are worth (fresh ones 1, stale ones their measured worth times the
   // policy's weight), per second of `seconds`.
   double PerSecond(const Gradients& g, double seconds) const;

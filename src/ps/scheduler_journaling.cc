@@ -225,14 +225,13 @@ Status SchedulerNode::Replay(const nlohmann::json& r, bool first) {
   }
   if (kind == "finish") return FinishAsBsp();
   if (kind == "auto") {
+    // The delayed workers (a journal of an earlier version lists the others too, at 0).
     AutoDecision d;
     d.quorum = r.at("q").get<uint32_t>();
-    for (const auto& a : r.at("a")) d.allowance[a.at(0).get<WorkerId>()] = a.at(1).get<uint32_t>();
-    applied_ = d;
-    for (const auto& [id, allowance] : applied_.allowance) {
-      if (rule_.is_live(id)) DSYNC_RETURN_IF_ERROR(rule_.SetAllowance(id, allowance));
-    }
-    return rule_.SetQuorum(applied_.quorum);
+    for (const auto& a : r.at("a")) d.allowance.Set(a.at(0).get<WorkerId>(), a.at(1).get<uint32_t>());
+    const Status applied = ApplyDecision(rule_, applied_, d);
+    applied_ = std::move(d);
+    return applied;
   }
   if (kind == "round") {
     std::optional<RoundRecord> rec = rule_.CloseNext();

@@ -241,7 +241,7 @@ void SchedulerNode::Redecide() {
   MaybeFinish();
   const bool proposal_changed = policy_->Decide();
   const auto phase = payoff_->phase();
-  AutoDecision d = payoff_->Gate(policy_->decision());
+  const AutoDecision& d = payoff_->Gate(policy_->decision());
   // Logged also when only the proposal or the phase changed: a straggler held at bsp while
   // bsp's pace is measured, or during a backoff, is said so, and so is a trial's verdict.
   // But where workers share cores, a proposal comes and goes every few rounds (1,500 such
@@ -264,11 +264,9 @@ void SchedulerNode::Redecide() {
   quiet_skipped_ = 0;
   if (nothing_applied_changed) quiet_logged_ = now;
   if (d == applied_) return;
-  applied_ = std::move(d);
-  for (const auto& [id, allowance] : applied_.allowance) {
-    if (rule_.is_live(id)) (void)rule_.SetAllowance(id, allowance);
-  }
-  (void)rule_.SetQuorum(applied_.quorum);
+  // Refused only past the job's finish as bsp (RoundRule::FinishAsBsp), which this follows.
+  (void)ApplyDecision(rule_, applied_, d);
+  applied_ = d;
   if (journal_.open()) {
     nlohmann::json a = nlohmann::json::array();
     for (const auto& [id, allowance] : applied_.allowance) a.push_back({id, allowance});
@@ -313,11 +311,7 @@ bool SchedulerNode::MaybeFinish() {
   if (journal_.open()) journal_.Add({{"k", "finish"}});
   if (!payoff_) {
     // dsync:auto's decision that follows is audited as every other; a fixed mode's here.
-    std::map<WorkerId, uint32_t> none;
-    for (const auto& [id, w] : workers_) {
-      if (rule_.is_live(id)) none[id] = 0;
-    }
-    audit_.Policy(rule_.open_round(), SyncMode::kAll, none);
+    audit_.Policy(rule_.open_round(), SyncMode::kAll, Allowances{});
   }
   spdlog::info("scheduler: {} from round {}: {} of the job's {} gradients committed; the "
                "last {} % runs as bsp",
