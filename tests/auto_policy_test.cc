@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <random>
 #include <utility>
@@ -247,21 +248,24 @@ class PlainPolicy {
 };
 
 // Random jobs: workers of a few paces (some near the thresholds and the allowance's steps,
-// where rounding decides), paces that change, a little noise, joins and leaves, several
-// maximum bounds; after every observation both decide, and they must agree on every
-// worker's allowance and the quorum.
+// where rounding decides, some far past the largest allowance, now and then a time of 0 or
+// infinity), paces that change, a little noise, joins and leaves, maximum bounds from 1 to
+// 1024; after one event or several both decide, and they must agree on every worker's
+// allowance and the quorum.
 TEST(AutoPolicy, DecidesAsThePlainRuleOnRandomJobs) {
   for (uint32_t seed = 1; seed <= 40; ++seed) {
     std::mt19937 rng(seed);
     AutoPolicyOptions o;
-    o.max_bound = std::uniform_int_distribution<uint32_t>(1, 9)(rng);
+    const uint32_t bounds[] = {1, 2, 3, 4, 5, 7, 9, 64, 1024};
+    o.max_bound = bounds[std::uniform_int_distribution<size_t>(0, 8)(rng)];
     o.margin = seed % 3 == 0 ? 0 : 1;
     AutoPolicy fast(o);
     PlainPolicy plain(o);
     std::map<WorkerId, double> pace;
     WorkerId next = 1000;
-    const double paces[] = {1.0, 1.0, 1.0, 1.1, 1.3, 1.5, 1.6, 2.0, 2.5, 3.0, 3.0001, 4.7, 9.0};
-    auto pick = [&] { return paces[std::uniform_int_distribution<size_t>(0, 12)(rng)]; };
+    const double paces[] = {1.0, 1.0,    1.0, 1.1, 1.3,  1.5,  1.6,  2.0,
+                            2.5, 3.0, 3.0001, 4.7, 9.0, 63.5, 100, 1500};
+    auto pick = [&] { return paces[std::uniform_int_distribution<size_t>(0, 15)(rng)]; };
     const int initial = std::uniform_int_distribution<int>(1, 24)(rng);
     for (int i = 0; i < initial; ++i) {
       pace[next] = pick();
@@ -288,11 +292,17 @@ TEST(AutoPolicy, DecidesAsThePlainRuleOnRandomJobs) {
       } else if (!pace.empty()) {
         auto it = std::next(pace.begin(), std::uniform_int_distribution<ptrdiff_t>(
                                               0, static_cast<ptrdiff_t>(pace.size()) - 1)(rng));
-        // Mostly exact paces (ties, and ratios on a step), sometimes noisy ones.
+        // Mostly exact paces (ties, and ratios on a step), sometimes noisy ones, rarely 0 or
+        // infinity (a clock that did not move; an iteration that never ended).
+        const double odd = unit(rng);
         const double noise = unit(rng) < 0.3 ? 1.0 + 0.2 * (unit(rng) - 0.5) : 1.0;
-        fast.Observe(it->first, 0.01 * it->second * noise);
-        plain.Observe(it->first, 0.01 * it->second * noise);
+        const double t = odd < 0.002   ? 0.0
+                         : odd < 0.004 ? std::numeric_limits<double>::infinity()
+                                       : 0.01 * it->second * noise;
+        fast.Observe(it->first, t);
+        plain.Observe(it->first, t);
       }
+      if (unit(rng) < 0.4) continue;  // several events between two decisions
       fast.Decide();
       const auto [quorum, allowance] = plain.Decide();
       ASSERT_EQ(fast.decision().quorum, quorum) << "seed " << seed << " step " << step;

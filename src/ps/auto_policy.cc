@@ -177,23 +177,28 @@ void AutoPolicy::MarkCrossings(double before) {
   const double top = static_cast<double>(opt_.max_bound - opt_.margin) - 1.0;
   const double first = std::max(0.0, std::floor(slow_.begin()->first / hi_ref) - 1.0);
   const double last = std::min(top, std::ceil(slow_.rbegin()->first / lo_ref) + 1.0);
-  for (double j = first; j <= last; j += 1.0) {
+  for (double j = first; j <= last;) {
     const double step = j + kStepSlack;
     const double from = step * lo_ref * (1.0 - 1e-9);
     const double to = step * hi_ref * (1.0 + 1e-9);
-    for (auto it = slow_.lower_bound({from, 0}); it != slow_.end() && it->first <= to; ++it) {
+    auto it = slow_.lower_bound({from, 0});
+    for (; it != slow_.end() && it->first <= to; ++it) {
       Track& t = workers_.at(it->second);
       if (!t.dirty) {
         t.dirty = true;
         dirty_.push_back(it->second);
       }
     }
+    if (it == slow_.end()) break;
+    // The next straggler's ratio lies past step j: on to the first step it may cross (one
+    // below, against rounding), skipping the steps no straggler is near.
+    j = std::max(j + 1.0, std::floor(it->first / hi_ref) - 1.0);
   }
 }
 
 bool AutoPolicy::Decide() {
   // Runs at every commit the scheduler can time: its cost is that of what changed (see the
-  // header), and nothing is allocated once the workers are measured.
+  // header).
   const double before = reference_;
   reference_ = low_.empty() ? 0 : low_.rbegin()->first;  // the lower median
   bool changed = std::exchange(left_delayed_, false);

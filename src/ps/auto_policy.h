@@ -123,8 +123,8 @@ class AutoPolicy {
   // the workers crossing a threshold are those at an end of one of them, and a straggler's
   // allowance, a step function of estimate / reference, is judged again only where its own
   // estimate changed or the reference moved it across a step (a range of slow_ per step).
-  // Nodes move between the sets by extract and insert: nothing is allocated once a worker
-  // is measured.
+  // Nodes move between the sets by extract and insert, so the orders allocate only when a
+  // worker is first measured; the decision's vector and dirty_ reuse their capacity.
   void Place(Key key);                   // into low_ or high_ (allocates), then balanced
   void PlaceNode(Order::node_type node);  // the same with a node taken out before
   Order::node_type Unplace(Key key);      // out of low_ or high_, then balanced

@@ -25,6 +25,11 @@ namespace dsync::ps {
 
 inline constexpr char kJournalMagic[] = "DSJRNL01";
 inline constexpr size_t kJournalMagicBytes = 8;
+// The job record's "format". 2: an `auto` record names the delayed workers only (every other
+// worker's allowance is 0); 1 named every worker, zeros included, and still replays alike.
+// A build refuses a format newer than its own, which it would misread.
+inline constexpr int kJournalFormat = 2;
+inline constexpr int kOldestJournalFormat = 1;
 // No record comes near this (the largest is a round: a few words per member and tensor).
 inline constexpr uint32_t kMaxJournalRecord = 64u << 20;
 

@@ -74,7 +74,7 @@ nlohmann::json SchedulerNode::JobRecord() const {
     if (JournaledSetting(st)) settings[std::string(st.env)] = st.get(cfg_);
   }
   nlohmann::json j = {{"k", "job"},
-                      {"format", 1},
+                      {"format", kJournalFormat},
                       {"key", ToHex(job_key_)},
                       {"settings", settings},
                       {"start_version", rounds_announced_},
@@ -225,7 +225,7 @@ Status SchedulerNode::Replay(const nlohmann::json& r, bool first) {
   }
   if (kind == "finish") return FinishAsBsp();
   if (kind == "auto") {
-    // The delayed workers (a journal of an earlier version lists the others too, at 0).
+    // The delayed workers (format 1 lists the others too, at 0: the same decision).
     AutoDecision d;
     d.quorum = r.at("q").get<uint32_t>();
     for (const auto& a : r.at("a")) d.allowance.Set(a.at(0).get<WorkerId>(), a.at(1).get<uint32_t>());
@@ -296,9 +296,13 @@ Result<SchedulerNode::ServerEntry*> SchedulerNode::JournaledServer(NodeId id) {
 }
 
 Status SchedulerNode::ReplayJob(const nlohmann::json& r) {
-  if (r.at("format").get<int>() != 1) {
-    return Error(StatusCode::kDataLoss, "journal format {} is not this build's (1)",
-                 r.at("format").get<int>());
+  const int format = r.at("format").get<int>();
+  if (format < kOldestJournalFormat || format > kJournalFormat) {
+    return Error(StatusCode::kDataLoss,
+                 "journal format {} is not one this build reads ({} to {}): {}", format,
+                 kOldestJournalFormat, kJournalFormat,
+                 format > kJournalFormat ? "a newer build wrote it; resume with that build"
+                                         : "damaged");
   }
   auto key = JobKeyFromHex(r.at("key").get<std::string>());
   if (!key) return Error(StatusCode::kDataLoss, "the job key is malformed");
