@@ -342,6 +342,8 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
   // Invariant 5: every completed push applied exactly once, on every slice alike.
   sums[0]->ReadFinal(cluster, &empty_commits);
   if (HasFatalFailure()) return;
+  // Every worker was told the job's policy in its welcome.
+  for (const auto& w : workers) EXPECT_EQ(w->job().staleness, cfg.staleness);
   if (cfg.staleness == StalenessPolicy{}) {
     ExpectModelCounts(*sums[0], total);
   } else {

@@ -32,6 +32,7 @@ struct JobInfo {
   WorkerId worker_id = 0;
   SyncMode sync;
   OptimizerConfig optimizer;
+  StalenessPolicy staleness;  // how the servers weigh this job's stale gradients
   uint64_t slice_bytes = 0;
   uint32_t num_servers = 0;
   Round join_round = 0;    // first round this worker counts toward quorum in

@@ -199,6 +199,7 @@ class Worker {
     py::dict d;
     d["worker_id"] = j.worker_id;
     d["sync"] = j.sync.ToString();
+    d["staleness"] = j.staleness.ToString();
     d["slice_bytes"] = j.slice_bytes;
     d["num_servers"] = j.num_servers;
     d["join_round"] = j.join_round;

@@ -77,6 +77,7 @@ class WorkerNode final : public Worker, public TransportHandler {
       job_.worker_id = w.id;
       job_.sync = w.sync;
       job_.optimizer = w.optimizer;
+      job_.staleness = w.staleness;
       job_.slice_bytes = w.slice_bytes;
       job_.num_servers = static_cast<uint32_t>(w.servers.size());
       job_.join_round = w.join_round;

@@ -15,10 +15,15 @@ def replay_sizes():
 def test_python_core_equals_the_cpp_worker_bit_for_bit(launch, tmp_path):
     # bsp, momentum with weight decay, two servers (slices spread over both), two workers:
     # the same gradients through either front end give the same model, byte for byte.
+    # A staleness policy changes nothing under bsp (no gradient is stale); the job says it.
     flags = ["--optimizer", "momentum", "--lr", "0.05", "--momentum", "0.9",
-             "--weight-decay", "0.01", "--slice-bytes", "512"]
-    launch(["core_worker.py", "--iters", "12", "--sizes", np_sizes, "--out", tmp_path / "py"],
-           workers=2, servers=2, flags=flags)
+             "--weight-decay", "0.01", "--slice-bytes", "512", "--staleness-policy", "exp:0.5"]
+    job = launch(["core_worker.py", "--iters", "12", "--sizes", np_sizes, "--out", tmp_path / "py"],
+                 workers=2, servers=2, flags=flags)
+    said = [l for l in job.worker_lines() if " job: " in l]
+    assert len(said) == 2, job.out[-4000:]
+    for line in said:
+        assert line.endswith("job: bsp, staleness policy exp:0.5, optimizer momentum"), line
     launch(["exe", os.environ["DSYNCPS_REPLAY_WORKER"], "12", np_sizes, tmp_path / "cc"],
            workers=2, servers=2, flags=flags)
     for rank in (0, 1):

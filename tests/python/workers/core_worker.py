@@ -74,6 +74,8 @@ for k in range(a.iters):
             for t, (tid, n) in enumerate(zip(ids, sizes))]
     version = min(r.wait() for r in reqs)
 print("rank %d done: %d iterations, version %d" % (rank, a.iters, version), flush=True)
+print("rank %d job: %s, staleness policy %s, optimizer %s" %
+      (rank, w.job["sync"], w.job["staleness"], w.job["optimizer"]["kind"]), flush=True)
 if a.out:
     np.concatenate(models).tofile("%s.%d" % (a.out, rank))
 dsyncps.shutdown()
