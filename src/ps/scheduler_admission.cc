@@ -13,7 +13,8 @@ void SchedulerNode::Refuse(PeerId peer, const FrameHeader& about, const Status& 
   });
 }
 
-void SchedulerNode::HandleHello(PeerId peer, const FrameHeader& h, std::span<const std::byte> meta) {
+void SchedulerNode::HandleHello(PeerId peer, const FrameHeader& h,
+                                std::span<const std::byte> meta) {
   if (h.msg_type() != MsgType::kHello) {
     Refuse(peer, h, Error(StatusCode::kPermissionDenied, "the first frame must be a hello"),
            true);
