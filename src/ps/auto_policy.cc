@@ -11,15 +11,18 @@
 
 namespace dsync::ps {
 
+std::vector<Allowances::Entry>::const_iterator Allowances::Find(WorkerId w) const {
+  return std::lower_bound(entries_.begin(), entries_.end(), w,
+                          [](const Entry& e, WorkerId id) { return e.first < id; });
+}
+
 uint32_t Allowances::at(WorkerId w) const {
-  auto it = std::lower_bound(entries_.begin(), entries_.end(), w,
-                             [](const Entry& e, WorkerId id) { return e.first < id; });
+  auto it = Find(w);
   return it != entries_.end() && it->first == w ? it->second : 0;
 }
 
 void Allowances::Set(WorkerId w, uint32_t allowance) {
-  auto it = std::lower_bound(entries_.begin(), entries_.end(), w,
-                             [](const Entry& e, WorkerId id) { return e.first < id; });
+  auto it = entries_.begin() + (Find(w) - entries_.cbegin());
   const bool here = it != entries_.end() && it->first == w;
   if (allowance == 0) {
     if (here) entries_.erase(it);
@@ -105,12 +108,9 @@ void AutoPolicy::Observe(WorkerId w, double seconds) {
 }
 
 void AutoPolicy::Place(Key key) {
-  if (low_.empty() || key <= *low_.rbegin()) {
-    low_.insert(key);
-  } else {
-    high_.insert(key);
-  }
-  Balance();
+  Order fresh;  // a node of its own (the one allocation), placed as any other
+  fresh.insert(key);
+  PlaceNode(fresh.extract(fresh.begin()));
 }
 
 void AutoPolicy::PlaceNode(Order::node_type node) {

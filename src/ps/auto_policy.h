@@ -66,6 +66,7 @@ class Allowances {
   bool operator==(const Allowances&) const = default;
 
  private:
+  std::vector<Entry>::const_iterator Find(WorkerId w) const;  // the first entry >= w
   std::vector<Entry> entries_;
 };
 
@@ -125,8 +126,8 @@ class AutoPolicy {
   // estimate changed or the reference moved it across a step (a range of slow_ per step).
   // Nodes move between the sets by extract and insert, so the orders allocate only when a
   // worker is first measured; the decision's vector and dirty_ reuse their capacity.
-  void Place(Key key);                   // into low_ or high_ (allocates), then balanced
-  void PlaceNode(Order::node_type node);  // the same with a node taken out before
+  void Place(Key key);                   // a new node (allocates), then PlaceNode
+  void PlaceNode(Order::node_type node);  // into low_ or high_, then balanced
   Order::node_type Unplace(Key key);      // out of low_ or high_, then balanced
   void Balance();
   static void Rekey(Order& order, Key from, Key to);
