@@ -326,6 +326,10 @@ struct Config {
   // otherwise be ignored in silence. Names the nearest setting, or the new name. None in a
   // process a dsyncps launcher started (DSYNC_ENV_CHECKED): the launcher said it once.
   static std::vector<std::string> UnknownVariables(const std::map<std::string, std::string>& env);
+  // The variable the launchers set in the environment of every process they start: the
+  // launcher has said what is wrong with the environment they share, and the processes do
+  // not say it again.
+  static constexpr std::string_view kEnvironmentChecked = "DSYNC_ENV_CHECKED";
   // With a task rank: rank 0 is the scheduler, 1..num_servers servers, the rest workers; with
   // a task count, num_workers = tasks - 1 - num_servers. Run again after flags change
   // num_servers (rank mode takes every flag).

@@ -52,8 +52,7 @@ Status ApplySetting(const Setting& setting, Config& config, std::string_view tex
 // "" for a setting, a variable the processes read besides (DSYNC_ROLE, what launchers hand
 // their children) or one the project's scripts read, and for any name not starting DSYNC_.
 std::string UnknownVariable(std::string_view name);
-// Set by the launchers in the environment of every process they start: the launcher has said
-// what is wrong with the environment they share, and the processes do not say it again.
-inline constexpr std::string_view kEnvironmentChecked = "DSYNC_ENV_CHECKED";
+// Set by the launchers in the environment of every process they start (Config's).
+inline constexpr std::string_view kEnvironmentChecked = Config::kEnvironmentChecked;
 
 }  // namespace dsync::ps
