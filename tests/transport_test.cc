@@ -25,6 +25,7 @@
 
 #include <gtest/gtest.h>
 
+#include "dsync/config.h"
 #include "net_util.h"
 #include "ps/protocol.h"
 #include "ps/transport.h"
@@ -1184,6 +1185,80 @@ std::vector<TransportKind> Kinds() {
 #endif
   return v;
 }
+
+#if DSYNC_HAVE_RDMA
+// The DSYNC_RDMA_* variables (no device needed): unset ones keep the defaults, set ones
+// replace them, and a bad value is refused naming its variable and what it accepts.
+TEST(RdmaTunables, ReadFromTheEnvironmentAndCheckedThere) {
+  using Env = std::map<std::string, std::string>;
+  auto read = [](const Env& env, rdma::RdmaTunables& t) {
+    return rdma::ReadRdmaTunables(t, [&env](const char* name) -> const char* {
+      const auto it = env.find(name);
+      return it == env.end() ? nullptr : it->second.c_str();
+    });
+  };
+  rdma::RdmaTunables t;
+  ASSERT_TRUE(read({}, t).ok());
+  EXPECT_EQ(t.slots, 32u);
+  EXPECT_EQ(t.slot_bytes, 8192u);
+  EXPECT_EQ(t.max_rendezvous, 16u);
+  EXPECT_EQ(t.spin, std::chrono::microseconds(200));
+  EXPECT_EQ(t.retry_count, 7);
+
+  ASSERT_TRUE(read({{"DSYNC_RDMA_SLOTS", "64"},
+                    {"DSYNC_RDMA_SLOT_BYTES", "4096"},
+                    {"DSYNC_RDMA_MAX_RENDEZVOUS", "4"},
+                    {"DSYNC_RDMA_SPIN_US", "0"},
+                    {"DSYNC_RDMA_RETRY_COUNT", "5"}},
+                   t)
+                  .ok());
+  EXPECT_EQ(t.slots, 64u);
+  EXPECT_EQ(t.slot_bytes, 4096u);
+  EXPECT_EQ(t.max_rendezvous, 4u);
+  EXPECT_EQ(t.spin, std::chrono::microseconds(0));
+  EXPECT_EQ(t.retry_count, 5);
+
+  const std::pair<Env, std::string> refused[] = {
+      {{{"DSYNC_RDMA_SLOTS", "3"}}, "DSYNC_RDMA_SLOTS: '3' is not a whole number from 4 to 4096"},
+      {{{"DSYNC_RDMA_SLOTS", "4097"}}, "DSYNC_RDMA_SLOTS: '4097' is not a whole number"},
+      {{{"DSYNC_RDMA_SLOTS", "many"}}, "DSYNC_RDMA_SLOTS: 'many' is not a whole number"},
+      {{{"DSYNC_RDMA_SLOT_BYTES", "100"}}, "DSYNC_RDMA_SLOT_BYTES: '100' is not a whole number from 512"},
+      {{{"DSYNC_RDMA_SLOT_BYTES", "1001"}}, "DSYNC_RDMA_SLOT_BYTES: '1001' is not a multiple of 8"},
+      {{{"DSYNC_RDMA_MAX_RENDEZVOUS", "0"}}, "DSYNC_RDMA_MAX_RENDEZVOUS: '0' is not a whole number from 1"},
+      {{{"DSYNC_RDMA_SPIN_US", "-1"}}, "DSYNC_RDMA_SPIN_US: '-1' is not a whole number"},
+      {{{"DSYNC_RDMA_RETRY_COUNT", "8"}}, "DSYNC_RDMA_RETRY_COUNT: '8' is not a whole number from 0 to 7"},
+      // Each in range, together too small for the largest control frame, which goes eagerly.
+      {{{"DSYNC_RDMA_SLOTS", "4"}}, "DSYNC_RDMA_SLOTS x DSYNC_RDMA_SLOT_BYTES is 4 x 8192 = 32768 bytes, below the"},
+      {{{"DSYNC_RDMA_SLOTS", "64"}, {"DSYNC_RDMA_SLOT_BYTES", "512"}}, "is 64 x 512 = 32768 bytes"},
+  };
+  for (const auto& [env, message] : refused) {
+    rdma::RdmaTunables kept;
+    kept.slots = 48;
+    const Status st = read(env, kept);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << message;
+    EXPECT_NE(st.message().find(message), std::string::npos) << st.message();
+    EXPECT_EQ(kept.slots, 48u) << "a refused value changes nothing: " << message;
+    EXPECT_EQ(kept.slot_bytes, 8192u) << message;
+  }
+  // MakeRdmaTransport refuses what ReadRdmaTunables would (callers that set the fields).
+  rdma::RdmaTunables small;
+  small.slots = 4;
+  EXPECT_FALSE(rdma::Validate(small).ok());
+  small.slots = 32;
+  small.retry_count = 8;
+  EXPECT_NE(rdma::Validate(small).message().find("at most 7"), std::string::npos);
+  small.retry_count = 7;
+  small.slots = 4096;
+  small.slot_bytes = 1u << 20;
+  EXPECT_NE(rdma::Validate(small).message().find("above the 67108864 a connection may pin"),
+            std::string::npos);
+  // Every variable it reads is known to the check of unknown DSYNC_* names.
+  for (std::string_view name : rdma::RdmaTunableVariables()) {
+    EXPECT_TRUE(Config::UnknownVariables({{std::string(name), "1"}}).empty()) << name;
+  }
+  EXPECT_EQ(rdma::RdmaTunableVariables().size(), 5u);
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(
     Transports, TransportTest, ::testing::ValuesIn(Kinds()),

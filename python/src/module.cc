@@ -154,14 +154,26 @@ class Worker {
       const size_t eq = kv.find('=');
       if (eq != std::string_view::npos) env.emplace(kv.substr(0, eq), kv.substr(eq + 1));
     }
-    for (const auto& [k, v] : settings) env[k] = v;
+    for (const auto& [k, v] : settings) {
+      // The RDMA transport's tunables are read from each process's own environment when it
+      // starts its transport, and every node must use the same: a settings entry would be
+      // ignored on this node alone.
+      if (k.starts_with("DSYNC_RDMA_") && k != "DSYNC_RDMA_DEVICE") {
+        ThrowIfError(dsync::Status(
+            dsync::StatusCode::kInvalidArgument,
+            fmt::format("{} is not a setting dsyncps.init() takes: the RDMA transport's "
+                        "DSYNC_RDMA_* tunables are read from each process's environment; export "
+                        "it for every node alike before `dsyncps launch`",
+                        k)));
+      }
+      env[k] = v;
+    }
     // A misspelt or renamed DSYNC_* name would be ignored in silence: Python's warnings say so,
     // pointing at the caller of dsyncps.init() or observe() (stacklevel 2: this C++ function
     // has no frame of its own). The settings passed here are always checked; the inherited
     // environment only where no launcher did (DSYNC_ENV_CHECKED, which `dsyncps launch` and
     // `join` set).
-    // The name is ps::kEnvironmentChecked, which this module (public API only) cannot see.
-    const std::string checked = "DSYNC_ENV_CHECKED";
+    const std::string checked(dsync::Config::kEnvironmentChecked);
     std::map<std::string, std::string> unchecked = env.contains(checked) ? settings : env;
     unchecked.erase(checked);
     if (const auto unknown = dsync::Config::UnknownVariables(unchecked); !unknown.empty()) {

@@ -344,9 +344,12 @@ std::span<const Setting> Settings() { return kSettings; }
 namespace {
 
 // DSYNC_* variables read besides the settings: the role, what launchers hand the processes
-// they start, and (by prefix) what the project's build, test and VM scripts read.
-constexpr std::string_view kOtherVariables[] = {"DSYNC_ROLE", "DSYNC_READY_FD",
-                                                "DSYNC_WORKER_RANK", kEnvironmentChecked};
+// they start, the RDMA transport's tunables (rdma::ReadRdmaTunables, which checks them), and
+// (by prefix) what the project's build, test and VM scripts read.
+constexpr std::string_view kOtherVariables[] = {
+    "DSYNC_ROLE", "DSYNC_READY_FD", "DSYNC_WORKER_RANK", kEnvironmentChecked,
+    "DSYNC_RDMA_SLOTS", "DSYNC_RDMA_SLOT_BYTES", "DSYNC_RDMA_MAX_RENDEZVOUS",
+    "DSYNC_RDMA_SPIN_US", "DSYNC_RDMA_RETRY_COUNT"};
 constexpr std::string_view kScriptPrefixes[] = {"DSYNC_BUILD_", "DSYNC_RXE_", "DSYNC_SKIP_",
                                                 "DSYNC_FUZZ", "DSYNC_RDMA_VM_", "DSYNC_BENCH_"};
 // Settings that were renamed: (old, new).

@@ -63,6 +63,7 @@ Result<std::unique_ptr<Transport>> MakeTransport(const Config& config) {
     o.device.gid_index = config.gid_index;
     o.device.interface_ip = InterfaceIpv4(config.bind_host);
     o.admission = AdmissionLimitsOf(config);
+    DSYNC_RETURN_IF_ERROR(rdma::ReadRdmaTunables(o.tunables));  // DSYNC_RDMA_* variables
     auto t = rdma::MakeRdmaTransport(o);
     if (t.ok()) return std::unique_ptr<Transport>(std::move(*t));
     if (config.transport == TransportKind::kRdma) return t.status();

@@ -101,6 +101,15 @@ def make_capsule(device_type):
     return new(ctypes.addressof(m), b"dltensor", None)
 
 
+def test_an_rdma_tunable_in_the_settings_is_refused_not_ignored():
+    # Read from the environment by each node's transport: passed here it would hold on no node.
+    from dsyncps import _core
+    with pytest.raises(ValueError, match="DSYNC_RDMA_SLOTS is not a setting dsyncps.init"
+                       r"\(\) takes: the RDMA transport's DSYNC_RDMA_\* tunables are read from "
+                       "each process's environment"):
+        _core.Worker.start({"DSYNC_RDMA_SLOTS": "64"})
+
+
 def test_a_misspelt_setting_is_named_in_a_warning_not_ignored(monkeypatch):
     # The environment's check runs before anything connects: a role no Python process can
     # take stops the start right after it.
