@@ -240,7 +240,8 @@ Status ConnManager::CheckHello(const Conn& c, const void* data, size_t len, Hell
   if (out->slots != c.slots || out->slot_bytes != c.slot_bytes || out->fifo != c.fifo) {
     return Error(StatusCode::kInvalidArgument,
                  "the peer uses {} slots of {} bytes and {} CTS entries, this node {} of {} "
-                 "and {}: run every node with the same RDMA settings",
+                 "and {}: run every node with the same DSYNC_RDMA_SLOTS, DSYNC_RDMA_SLOT_BYTES "
+                 "and DSYNC_RDMA_MAX_RENDEZVOUS",
                  out->slots, out->slot_bytes, out->fifo, c.slots, c.slot_bytes, c.fifo);
   }
   return Status::Ok();
@@ -416,7 +417,8 @@ bool ConnManager::HandleCmEvents() {
       case RDMA_CM_EVENT_REJECTED:
         Decide(conn, Error(StatusCode::kUnavailable,
                            "connection refused by {} (nothing listening there over RDMA, or "
-                           "it runs with other RDMA settings)",
+                           "it runs with other DSYNC_RDMA_SLOTS, DSYNC_RDMA_SLOT_BYTES or "
+                           "DSYNC_RDMA_MAX_RENDEZVOUS: its log names them)",
                            conn->address), true);
         break;
       case RDMA_CM_EVENT_CONNECT_ERROR:

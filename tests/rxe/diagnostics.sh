@@ -42,6 +42,21 @@ expect "memlock warning" "RDMA: the locked-memory limit is 64 KiB" \
 expect "memlock registration" "the locked-memory limit is 64 KiB, too low for RDMA: raise it (ulimit -l unlimited" \
   as_nobody_64k "$bin" server --scheduler-uri "$ip" --scheduler-port 1 --connect-timeout-ms 500 \
   --transport rdma --bind "$ip"
+# Nodes with other ring settings: the connecting side names the variables that must agree,
+# the accepting side's log what differs.
+"$bin" scheduler --transport rdma --bind "$ip" --scheduler-port 9391 --num-servers 1 \
+  --num-workers 1 --start-timeout-ms 60000 >/tmp/mismatch.log 2>&1 &
+sched=$!
+i=0; while ! grep -q "scheduler listening" /tmp/mismatch.log && [ $i -lt 300 ]; do sleep 0.1; i=$((i + 1)); done
+expect "other ring settings" "it runs with other DSYNC_RDMA_SLOTS, DSYNC_RDMA_SLOT_BYTES or DSYNC_RDMA_MAX_RENDEZVOUS" \
+  env DSYNC_RDMA_SLOTS=64 timeout 30 "$bin" server --scheduler-uri "$ip" --scheduler-port 9391 \
+  --connect-timeout-ms 1000 --transport rdma --bind "$ip"
+kill "$sched"; wait "$sched" 2>/dev/null
+if grep -qF "the peer uses 64 slots of 8192 bytes and 16 CTS entries, this node 32 of 8192 and 16: run every node with the same DSYNC_RDMA_SLOTS" /tmp/mismatch.log; then
+  echo "=== diagnostics: other ring settings, accepting side PASS"
+else
+  echo "=== diagnostics: other ring settings, accepting side FAIL:"; tail -5 /tmp/mismatch.log; fail=1
+fi
 if /usr/bin/bash "$repo/scripts/setup-rxe.sh" "$netdev" "$dev" >/tmp/setup.log 2>&1 &&
    grep -q "ready: dsyncps ... --transport rdma --bind $ip" /tmp/setup.log; then
   echo "=== diagnostics: setup-rxe.sh PASS"
