@@ -107,6 +107,8 @@ struct RdmaTunables {
   // Likewise after "receiver not ready"; 7 means forever: a receiver briefly out of receive
   // WRs is no error.
   uint8_t rnr_retry_count = 7;
+  // Both fields hold 3 bits on the wire (rdma_conn_param).
+  static constexpr uint8_t kMaxRetryCount = 7;
   // rdma_listen's backlog: connect requests not yet taken by the progress thread.
   int listen_backlog = 128;
   // Refused inbound connections are logged at most once per this interval (a flood of them

@@ -27,7 +27,7 @@ constexpr Variable kVariables[] = {
    [](RdmaTunables& t, uint64_t v) { t.max_rendezvous = static_cast<uint32_t>(v); }},
   {"DSYNC_RDMA_SPIN_US", 0, RdmaTunables::kMaxSpinUs, 1,
    [](RdmaTunables& t, uint64_t v) { t.spin = std::chrono::microseconds(v); }},
-  {"DSYNC_RDMA_RETRY_COUNT", 0, 7, 1,
+  {"DSYNC_RDMA_RETRY_COUNT", 0, RdmaTunables::kMaxRetryCount, 1,
    [](RdmaTunables& t, uint64_t v) { t.retry_count = static_cast<uint8_t>(v); }},
 };
 // clang-format on
@@ -76,17 +76,16 @@ Status Validate(const RdmaTunables& t) {
                  "RDMA timeouts: address resolution {} to {} ms, idle wait {} ms",
                  t.resolve_addr_min.count(), t.resolve_addr_max.count(), t.idle_wait.count());
   }
-  // The NIC's retry fields hold 3 bits (rdma_conn_param).
-  if (t.retry_count > 7 || t.rnr_retry_count > 7) {
-    return Error(StatusCode::kInvalidArgument, "RDMA retry counts {} and {}: at most 7",
-                 t.retry_count, t.rnr_retry_count);
+  if (t.retry_count > T::kMaxRetryCount || t.rnr_retry_count > T::kMaxRetryCount) {
+    return Error(StatusCode::kInvalidArgument, "RDMA retry counts {} and {}: at most {}",
+                 t.retry_count, t.rnr_retry_count, T::kMaxRetryCount);
   }
   return Status::Ok();
 }
 
 Status ReadRdmaTunables(RdmaTunables& tunables,
                         const std::function<const char*(const char*)>& lookup) {
-  RdmaTunables read = tunables;  // assigned only once every variable and the whole pass
+  RdmaTunables read = tunables;  // assigned only once each variable and the whole set pass
   for (const Variable& v : kVariables) {
     const char* text = lookup(v.name);
     if (!text) continue;
