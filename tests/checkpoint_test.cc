@@ -114,6 +114,33 @@ TEST(CheckpointFile, RoundTripsEverySliceWithItsStateAndMetadata) {
 
 // A file of the format before kept versions ("DSCKPT02", written here byte by byte as that
 // format lays it out) still loads, keeping nothing.
+TEST(CheckpointManifest, CarriesTheLearningRateAndTheRoundAJobIsDampedFrom) {
+  // A resumed job runs with the learning rate set before its checkpoint and stays damped
+  // from the round it was (the staleness policy damp).
+  const fs::path dir = FreshDir("manifest_damp");
+  ps::CheckpointManifest m;
+  m.version = 50;
+  m.num_servers = 1;
+  m.slice_bytes = 1024;
+  m.sync = "dsync:1,3";
+  m.lost_ranks = {0};  // no server file to check: the manifest alone
+  m.partial = true;
+  m.learning_rate = std::make_pair(Round{3}, 0.5f);
+  m.damp_from = 12;
+  ASSERT_TRUE(ps::WriteManifest(dir.string(), m).ok());
+  auto back = ps::ReadCheckpoint(dir.string());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->damp_from, std::optional<Round>(12));
+  EXPECT_EQ(back->learning_rate, m.learning_rate);
+  m.damp_from.reset();
+  ASSERT_TRUE(ps::WriteManifest(dir.string(), m).ok());
+  EXPECT_FALSE(ps::ReadCheckpoint(dir.string()).value().damp_from.has_value());
+  // Damped from a round the checkpoint does not reach: damaged.
+  m.damp_from = 51;
+  ASSERT_TRUE(ps::WriteManifest(dir.string(), m).ok());
+  EXPECT_EQ(ps::ReadCheckpoint(dir.string()).status().code(), StatusCode::kDataLoss);
+}
+
 TEST(CheckpointFile, TheFormatBeforeKeptVersionsStillLoads) {
   ps::ServerCheckpoint c = SampleCheckpoint();
   std::vector<std::byte> out;

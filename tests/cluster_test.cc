@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -116,12 +118,23 @@ class SumWorker {
     tb_ = tb.ok() ? *tb : 1;
   }
 
+  // Every element of the gradient of clock c is value(c) (GrowingValue), not 1.
+  void Grow(std::function<float(Clock)> value) { value_ = std::move(value); }
+
   // Pull both tensors, "compute" for `compute`, push both and wait for the commit.
   bool Iterate(std::chrono::microseconds compute) {
     if (!Pull()) return false;
     std::this_thread::sleep_for(compute);
-    auto h1 = w_.Push(ta_, ones_a_.data());
-    auto h2 = w_.Push(tb_, ones_b_.data());
+    const float* ga = ones_a_.data();
+    const float* gb = ones_b_.data();
+    if (value_) {
+      grad_a_.assign(kBig, value_(w_.clock()));
+      grad_b_.assign(3, value_(w_.clock()));
+      ga = grad_a_.data();
+      gb = grad_b_.data();
+    }
+    auto h1 = w_.Push(ta_, ga);
+    auto h2 = w_.Push(tb_, gb);
     Status s1 = w_.Wait(h1), s2 = w_.Wait(h2);
     EXPECT_TRUE(s1.ok() && s2.ok()) << s1.ToString() << " " << s2.ToString();
     if (!s1.ok() || !s2.ok()) return false;
@@ -177,6 +190,8 @@ class SumWorker {
   std::vector<float> a_, b_;
   const std::vector<float> ones_a_ = std::vector<float>(kBig, 1.0f);
   const std::vector<float> ones_b_ = std::vector<float>(3, 1.0f);
+  std::function<float(Clock)> value_;
+  std::vector<float> grad_a_, grad_b_;
   TensorId ta_ = 0, tb_ = 1;
   Version last_ = 0;
   Handle partial_ = 0;
@@ -220,11 +235,13 @@ uint64_t CountMembers(const std::vector<RoundRecord>& history,
 // sum, then stepped by `optimizer` (sum, or momentum SGD with the round's momentum tempered by
 // the weighed mean staleness under +momentum). Worker 0's clocks from `first_empty` on were
 // empty commits. Returns how many gradients weighed less than 1 or were corrected, plus the
-// rounds whose momentum was tempered.
+// rounds whose momentum was tempered. A damp policy applies none before `damped_from` and the
+// damped policy from it on; `value` gives each gradient's elements (1 where empty).
 uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecord>& history,
                             const StalenessPolicy& policy, const SyncMode& mode,
                             const OptimizerConfig& optimizer, WorkerId probe_id,
-                            Clock first_empty) {
+                            Clock first_empty, std::optional<Round> damped_from = {},
+                            const std::function<float(Clock)>& value = {}) {
   float model = 0.0f;
   float momentum_buf = 0.0f;
   uint64_t steps = 0;
@@ -233,6 +250,7 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
   std::deque<std::pair<Round, float>> kept;  // (round, the model before it), oldest first
   float mean_square = 0.0f;                  // adaptive: every element's running mean of g * g
   for (const RoundRecord& r : history) {
+    const StalenessPolicy active = policy.Active(damped_from && r.round >= *damped_from);
     float sum = 0.0f;
     bool first = true;
     uint32_t count = 0;
@@ -241,21 +259,24 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
     double staleness = 0.0;  // unweighed: the mean where every weight is 0
     for (const RoundMember& m : r.members) {
       if (m.worker == probe_id && m.clock >= first_empty) continue;
-      const float weight = policy.Weight(Staleness(r.round, m.base));
+      const float weight = active.Weight(Staleness(r.round, m.base));
       ++count;
       weighed_staleness += weight * static_cast<double>(Staleness(r.round, m.base));
       weights += weight;
       staleness += static_cast<double>(Staleness(r.round, m.base));
-      float g = 1.0f;
-      float lambda = policy.compensation;
+      float g = value ? value(m.clock) : 1.0f;
+      float lambda = active.compensation;
       if (policy.adaptive && depth > 0) {
-        mean_square = ps::MeanSquareStep(mean_square, g);
+        mean_square = ps::MeanSquareStep(mean_square, g);  // kept before damping too
         lambda = ps::AdaptiveLambda(lambda, mean_square);
       }
       const auto toward = std::find_if(kept.begin(), kept.end(),
                                        [&](const auto& k) { return k.first >= m.base; });
-      if (depth > 0 && toward != kept.end()) g = ps::Compensate(g, model, toward->second, lambda);
-      changed += weight < 1.0f || g != 1.0f ? 1 : 0;
+      const float plain = g;
+      if (depth > 0 && toward != kept.end() && lambda != 0.0f) {
+        g = ps::Compensate(g, model, toward->second, lambda);
+      }
+      changed += weight < 1.0f || g != plain ? 1 : 0;
       sum = first ? ps::WeighFirst(g, weight) : ps::AddWeighed(sum, g, weight);
       first = false;
     }
@@ -270,10 +291,11 @@ uint64_t ExpectModelWeighed(const SumWorker& probe, const std::vector<RoundRecor
     }
     ps::OptimizerScalars scalars = ps::MakeOptimizerScalars(optimizer, ++steps, count);
     const double mean = weights > 0.0 ? weighed_staleness / weights : staleness / count;
-    scalars.momentum = policy.RoundMomentum(optimizer.momentum, mean);
+    scalars.momentum = active.RoundMomentum(optimizer.momentum, mean);
     changed += scalars.momentum != optimizer.momentum ? 1 : 0;
     ps::MomentumStep(model, momentum_buf, sum, scalars);
   }
+  EXPECT_TRUE(std::isfinite(model)) << "a model that is not finite proves nothing";
   auto differs = [&](float x) { return std::bit_cast<uint32_t>(x) != std::bit_cast<uint32_t>(model); };
   EXPECT_EQ(std::count_if(probe.a().begin(), probe.a().end(), differs), 0)
       << "the audit's rounds, weighed, give " << model << "; element 0 is " << probe.a()[0];
@@ -313,6 +335,14 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
   ASSERT_EQ(workers.size(), static_cast<size_t>(kWorkers));
   std::vector<std::unique_ptr<SumWorker>> sums;
   for (auto& w : workers) sums.push_back(std::make_unique<SumWorker>(*w));
+  // A damp policy damps a job whose gradients grow: from clock 10 on they double each clock,
+  // up to 8 (larger ones make the compensation's g * g * (w - w_base) blow the model up).
+  const std::function<float(Clock)> growing = [](Clock c) {
+    return c < 10 ? 1.0f : std::ldexp(1.0f, static_cast<int>(std::min<Clock>(c - 9, 3)));
+  };
+  if (cfg.staleness.damp) {
+    for (auto& sw : sums) sw->Grow(growing);
+  }
   std::atomic<int> others_done{0};
   uint64_t empty_commits = 0;
   std::vector<std::thread> threads;
@@ -344,6 +374,15 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
   if (HasFatalFailure()) return;
   // Every worker was told the job's policy in its welcome.
   for (const auto& w : workers) EXPECT_EQ(w->job().staleness, cfg.staleness);
+  const std::optional<Round> damped_from = cluster.scheduler().stats().damped_from;
+  if (cfg.staleness.damp && cfg.sync != SyncMode::Bsp()) {
+    // Damped once the doubling showed (in the rounds of clocks 10 to 29), after the rounds
+    // of ones set the level.
+    ASSERT_TRUE(damped_from.has_value());
+    EXPECT_GT(*damped_from, 5u);
+  } else {
+    EXPECT_FALSE(damped_from.has_value());
+  }
   if (cfg.staleness == StalenessPolicy{}) {
     ExpectModelCounts(*sums[0], total);
   } else {
@@ -352,7 +391,8 @@ TEST_P(ModeTest, BoundQuorumFreshnessAndExactlyOnceUnderRandomDelays) {
     // changes nothing.
     const uint64_t changed = ExpectModelWeighed(*sums[0], cluster.scheduler().history(),
                                                 cfg.staleness, cfg.sync, cfg.optimizer,
-                                                workers[0]->job().worker_id, kIters);
+                                                workers[0]->job().worker_id, kIters, damped_from,
+                                                cfg.staleness.damp ? growing : nullptr);
     bool stale = false;
     for (const RoundRecord& r : cluster.scheduler().history()) {
       for (const RoundMember& m : r.members) stale = stale || m.base < r.round;
@@ -1078,7 +1118,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                                            "dsync:2,3/exp:0.5+dc:0.01+momentum",
                                            "dsync:2,3/inverse+momentum+2", "dsync:auto/momentum",
                                            "asp/inverse+dc:0.01,3", "dsync:auto/dc:0.01+2", "bsp+2", "dsync:2,3+2", "ssp:2+2",
-                                           "asp+2", "dsync:auto+2"),
+                                           "asp+2", "dsync:auto+2", "dsync:2,3/damp",
+                                           "ssp:2/damp:inverse+dc:0.01",
+                                           "dsync:2,3/damp:exp:0.5+2", "bsp/damp"),
                          [](const auto& param_info) {
                            std::string n = param_info.param;
                            for (char& ch : n) {

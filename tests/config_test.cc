@@ -128,6 +128,42 @@ TEST(StalenessPolicy, DelayCompensationParsesAloneOrAfterAWeightAndKeepsWhatTheM
   EXPECT_NE(StalenessPolicy::Parse("dc:0").status().message().find("above 0"), std::string::npos);
 }
 
+TEST(StalenessPolicy, DampAppliesNoneUntilDampedAndItsPolicyFromThen) {
+  // "damp" alone is damp:inverse+momentum; "damp:P" any policy but none.
+  const StalenessPolicy plain = StalenessPolicy::Parse("damp").value();
+  EXPECT_TRUE(plain.damp);
+  EXPECT_EQ(plain.ToString(), "damp:inverse+momentum");
+  EXPECT_EQ(StalenessPolicy::Parse(plain.ToString()).value(), plain);
+  for (const char* text : {"damp:inverse", "damp:exp:0.5", "damp:dca:0.002,3",
+                           "damp:inverse+dc:0.01+momentum", "damp:momentum"}) {
+    const auto p = StalenessPolicy::Parse(text);
+    ASSERT_TRUE(p.ok()) << text << ": " << p.status().ToString();
+    EXPECT_EQ(p->ToString(), text);
+    // Undamped: none, exactly (every weight 1, no compensation, the momentum asked for).
+    EXPECT_EQ(p->Active(false), StalenessPolicy{}) << text;
+    // Damped: the policy after "damp:", which is no damp policy itself.
+    EXPECT_EQ(p->Active(true), StalenessPolicy::Parse(std::string_view(text).substr(5)).value());
+    EXPECT_FALSE(p->Active(true).damp);
+  }
+  const StalenessPolicy inverse = StalenessPolicy::Parse("damp:inverse").value();
+  EXPECT_EQ(inverse.Active(false).Weight(3), 1.0f);
+  EXPECT_EQ(inverse.Active(true).Weight(3), 0.25f);
+  // The versions a compensation needs are kept from the start: they are there once damped.
+  EXPECT_EQ(StalenessPolicy::Parse("damp:dc:1,3").value().CompensationDepth(SyncMode::Dsync(5)),
+            3u);
+  // A policy that is not damp is its own active policy, damped or not.
+  const StalenessPolicy dc = StalenessPolicy::Parse("inverse+dc:1").value();
+  EXPECT_EQ(dc.Active(false), dc);
+  EXPECT_EQ(dc.Active(true), dc);
+  for (const char* text : {"damp:", "damp:none", "damp:damp", "damp:damp:inverse", "dampx",
+                           "damp:inverse+", "inverse+damp", "damp+momentum", "Damp"}) {
+    auto r = StalenessPolicy::Parse(text);
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status().message();
+  }
+}
+
 TEST(StalenessPolicy, MomentumTemperingParsesLastOrAloneAndKeepsTheGainOfTheAskedMomentum) {
   for (const char* text : {"momentum", "inverse+momentum", "exp:0.5+momentum", "dc:0.5+momentum",
                            "inverse+dca:32+momentum", "exp:0.5+dc:1,3+momentum"}) {
@@ -533,7 +569,7 @@ TEST(ConfigEnvironment, NamesTheVariableThatIsWrong) {
 
 TEST(ConfigEnvironment, TheFinishAsBspDefaultsByModeAndIsAPercentage) {
   // Unset, dsync:auto finishes its budget's last 10 % as bsp and a fixed mode delays to the end.
-  Config c;
+  Config c = Config{};
   c.sync = SyncMode::Auto();
   EXPECT_EQ(c.FinishBspPercent(), kAutoFinishPercent);
   c.sync = SyncMode::Dsync(2, 3);

@@ -152,10 +152,16 @@ int RunScheduler(const Config& config) {
       [](Scheduler& scheduler) {
         const SchedulerStats s = scheduler.stats();
         spdlog::info("scheduler: {} round(s), {} gradient(s), workers joined {}, left {}, "
-                     "failed {}, max staleness {}{}",
+                     "failed {}, max staleness {}{}{}",
                      s.rounds_closed, s.gradients_committed, s.workers_joined, s.workers_left,
                      s.workers_failed, s.max_staleness,
-                     s.servers_lost ? fmt::format(", servers lost {}", s.servers_lost) : "");
+                     s.servers_lost ? fmt::format(", servers lost {}", s.servers_lost) : "",
+                     s.damped_from ? fmt::format(", damped from round {}", *s.damped_from)
+                     : s.growth_peak > 0.0
+                         ? fmt::format(", never damped (the gradients' growth peaked at {:.2f} "
+                                       "at round {})",
+                                       s.growth_peak, s.growth_peak_round)
+                         : "");
       });
 }
 

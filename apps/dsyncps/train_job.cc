@@ -9,6 +9,7 @@
 #include <cblas.h>
 
 #include <atomic>
+#include <charconv>
 #include <cmath>
 #include <deque>
 #include <filesystem>
@@ -241,7 +242,8 @@ bool Interesting(int worker, std::string_view line) {
   };
   if (has({"[warning]", "[error]", "error:"})) return true;
   if (worker >= 0) return has({"leaving at round", "injected failure"});
-  return has({"scheduler: worker", "dsync:auto", "budget", "runs as bsp"});
+  return has({"scheduler: worker", "dsync:auto", "budget", "runs as bsp",
+              "scheduler: staleness policy", "never damped"});
 }
 
 // spdlog's "[2026-12-02 17:14:35.963] " prefix: the progress line already tells the time.
@@ -423,6 +425,26 @@ Result<train::RunMetrics> RunTrainJob(const std::string& self, const TrainSpec& 
   LaunchHooks hooks;
   hooks.on_started = [&](const std::map<std::string, std::string>& env) { monitor.Start(env); };
   hooks.on_line = [&](int worker, std::string_view line) {
+    // "scheduler: staleness policy P from round R: why" (the staleness policy damp).
+    constexpr std::string_view kDamped = "scheduler: staleness policy ";
+    if (const size_t at = line.find(kDamped); worker < 0 && at != std::string_view::npos) {
+      const size_t from = line.find(" from round ", at);
+      Version round = 0;
+      const std::string_view rest =
+          from == std::string_view::npos ? std::string_view{} : line.substr(from + 12);
+      if (std::from_chars(rest.data(), rest.data() + rest.size(), round).ec == std::errc{}) {
+        m.damped_from_round = round;
+      }
+    }
+    // "..., never damped (the gradients' growth peaked at X at round R)": the job's end.
+    constexpr std::string_view kPeak = "growth peaked at ";
+    if (const size_t at = line.find(kPeak); worker < 0 && at != std::string_view::npos) {
+      const std::string_view rest = line.substr(at + kPeak.size());
+      double peak = 0.0;
+      if (std::from_chars(rest.data(), rest.data() + rest.size(), peak).ec == std::errc{}) {
+        m.growth_peak = peak;
+      }
+    }
     if (worker >= 0 && line.starts_with("@progress ")) {
       // A worker counts as running from its first report until its process ends.
       counters.Started(static_cast<uint32_t>(worker));

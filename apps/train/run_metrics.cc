@@ -38,7 +38,9 @@ json Summary(const RunMetrics& m) {
           {"first_reach_s", Optional(m.first_reach_s)},
           {"first_reach_round", Optional(m.first_reach_round)},
           {"stays_from_s", Optional(m.stays_from_s)},
-          {"stays_from_round", Optional(m.stays_from_round)}};
+          {"stays_from_round", Optional(m.stays_from_round)},
+          {"damped_from_round", Optional(m.damped_from_round)},
+          {"growth_peak", Optional(m.growth_peak)}};
 }
 
 Status WriteText(const std::string& path, const std::string& text) {
@@ -145,6 +147,12 @@ Result<RunMetrics> ReadSummaryJson(const std::string& path) {
   m.final_accuracy = num(j, "final_accuracy", 0);
   m.final_loss = num(j, "final_loss", 0);
   m.target = num(j, "target", 0.85);
+  if (auto d = j.find("damped_from_round"); d != j.end() && d->is_number_unsigned()) {
+    m.damped_from_round = d->get<Version>();
+  }
+  if (auto g = j.find("growth_peak"); g != j.end() && g->is_number()) {
+    m.growth_peak = g->get<double>();
+  }
   auto curve = j.find("curve");
   if (curve == j.end() || !curve->is_array() || curve->empty()) {
     return Error(StatusCode::kInvalidArgument,

@@ -38,6 +38,10 @@ struct RunMetrics {
   double final_loss = 0;
   double target = 0.85;
   std::vector<CurvePoint> curve;  // in time order; the last point is the final model
+  // The staleness policy damp: the round the scheduler damped the job from, if it did.
+  std::optional<Version> damped_from_round;
+  // Where it never damped: the largest ratio its growth watch saw (damping at 2).
+  std::optional<double> growth_peak;
 
   // Filled by ComputeTargetTimes.
   std::optional<double> first_reach_s;

@@ -65,6 +65,13 @@ struct SyncMode {
 // A gradient with s = 0 is always left exactly as it is, so bsp is the same under every policy.
 // "+momentum", last (or alone), tempers momentum SGD's momentum by the round's staleness
 // (RoundMomentum): stale gradients carry a momentum of their own.
+// "damp" (or "damp:P", P any of the above but none) applies none until the job shows that
+// its stale gradients make it unstable, then P (inverse+momentum for "damp") to the end: the
+// scheduler watches the size of the gradients the workers commit and, the round it grows
+// fast (GrowthWatch, src/ps/growth_watch.h), tells every server to apply P from that round.
+// A bounded job whose step is small enough is stable unpoliced, and every policy costs it
+// accuracy; at a step too large for stale gradients it diverges unless damped
+// (docs/contract.md, "Staleness").
 enum class StalenessKind { kNone, kInverse, kExp };
 
 struct StalenessPolicy {
@@ -80,10 +87,16 @@ struct StalenessPolicy {
   uint32_t depth = 0;         // dc, dca: D (0: the default above)
   bool adaptive = false;      // dca
   bool temper_momentum = false;  // +momentum
+  // damp: the fields above hold what applies once the scheduler damps the job; none before.
+  bool damp = false;
 
   // "none", "inverse", "exp:C", "dc:L", "dc:L,D", "inverse+dc:L[,D]", "exp:C+dc:L[,D]", and
-  // the same with dca for dc; any of them but none followed by "+momentum", or "momentum".
+  // the same with dca for dc; any of them but none followed by "+momentum", or "momentum";
+  // "damp" (damp:inverse+momentum) or "damp:" followed by any of them but none.
   static Result<StalenessPolicy> Parse(std::string_view text);
+  // What the servers apply to a round: the policy itself, or for damp, none until the job is
+  // damped (`damped`) and the damped policy from then on. Never itself a damp policy.
+  StalenessPolicy Active(bool damped) const;
   std::string ToString() const;
   // The weight of a gradient `staleness` rounds stale, in [0, 1]; exactly 1 at 0.
   float Weight(uint64_t staleness) const;
@@ -96,7 +109,8 @@ struct StalenessPolicy {
   // Without +momentum, or at s = 0, m exactly.
   float RoundMomentum(float momentum, double mean_staleness) const;
   // How many versions of each slice the servers keep to compensate under `sync`: 0 without
-  // compensation, or where no gradient is ever stale (bsp).
+  // compensation, or where no gradient is ever stale (bsp). For damp, what the damped policy
+  // keeps, from the job's start: the versions are there the round it is damped.
   uint32_t CompensationDepth(const SyncMode& sync) const;
   bool operator==(const StalenessPolicy&) const = default;
 };

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dsync/config.h"
@@ -23,6 +24,12 @@ struct SchedulerStats {
   uint32_t servers_restored = 0;  // new servers that took a lost rank over and hold its copies
   uint32_t max_staleness = 0;     // over every gradient placed in a round
   uint32_t policy_changes = 0;    // dsync:auto decisions that changed quorum or allowances
+  // The staleness policy damp: the round from which the job is damped, once it is.
+  std::optional<Round> damped_from;
+  // Its growth watch: the largest ratio of the gradients' recent size to their level after
+  // the warm-up (damping at 2), and the round of it; 0 without the watch.
+  double growth_peak = 0.0;
+  Round growth_peak_round = 0;
   // dsync:auto: the servers' reports of how stale gradients agree with fresh ones (the
   // measured worth of staleness), used and refused (malformed, or not fitting their round).
   uint64_t agreements_measured = 0;

@@ -88,6 +88,15 @@ void AuditLog::LearningRate(dsync::Round from_round, float lr, WorkerId worker) 
   Write(line);
 }
 
+void AuditLog::Damp(dsync::Round from_round, std::string_view policy, std::string_view why) {
+  if (!file_) return;
+  const nlohmann::json j = {
+      {"damp", {{"from_round", from_round}, {"policy", policy}, {"why", why}}}};
+  fmt::memory_buffer line;
+  fmt::format_to(std::back_inserter(line), "{}\n", j.dump());
+  Write(line);
+}
+
 void AuditLog::Write(const fmt::memory_buffer& line) {
   std::fwrite(line.data(), 1, line.size(), file_);
   std::fflush(file_);

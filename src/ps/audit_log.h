@@ -43,6 +43,9 @@ class AuditLog {
   // {"lr":{"from_round":R,"value":LR,"worker":W}}: worker W set the learning rate of every
   // tensor to LR from round R on (Worker::SetLearningRate).
   void LearningRate(dsync::Round from_round, float lr, WorkerId worker);
+  // {"damp":{"from_round":R,"policy":P,"why":W}}: the staleness policy damp found the job's
+  // gradients growing (W) and every server applies P from round R on.
+  void Damp(dsync::Round from_round, std::string_view policy, std::string_view why);
 
  private:
   void Write(const fmt::memory_buffer& line);

@@ -216,6 +216,10 @@ Result<CheckpointManifest> ReadManifest(const std::string& checkpoint_dir) {
       if (!(lr >= 0 && lr <= 3.4e38) || from > m.version) return bad;  // a float's range
       m.learning_rate = std::make_pair(from, static_cast<float>(lr));
     }
+    if (j.contains("damp_from")) {
+      m.damp_from = j.at("damp_from").get<Round>();
+      if (*m.damp_from > m.version) return bad;
+    }
     for (const json& f : j.at("files")) {
       CheckpointFile cf;
       cf.rank = f.at("rank").get<uint32_t>();
@@ -518,6 +522,7 @@ Status WriteManifest(const std::string& checkpoint_dir, const CheckpointManifest
   if (m.learning_rate) {
     j["learning_rate"] = {{"from_round", m.learning_rate->first}, {"value", m.learning_rate->second}};
   }
+  if (m.damp_from) j["damp_from"] = *m.damp_from;
   const std::string text = j.dump(1) + "\n";
   return WriteAtomically((fs::path(checkpoint_dir) / kManifest).string(), {AsBytes(text)});
 }

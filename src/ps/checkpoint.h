@@ -68,6 +68,7 @@ struct CheckpointManifest {
   // clock): a resumed job's first workers start there. In bsp it is the version.
   Clock clock = 0;
   std::optional<std::pair<Round, float>> learning_rate;  // the newest change, if any
+  std::optional<Round> damp_from;  // the staleness policy damp: damped from this round
   std::vector<CheckpointFile> files;  // one per server rank, but for the lost ones
   // Ranks lost before the checkpoint: they wrote no file. With copies (Config::replicas > 1)
   // the other ranks' files hold copies of every slice they held...

@@ -109,8 +109,13 @@ namespace {
 constexpr std::string_view kStalenessForms =
     "none, inverse, exp:C (0 < C <= 1), dc:L[,D] or dca:L[,D] (L > 0, 1 <= D <= 64), or a "
     "weight and a compensation joined by '+' (inverse+dc:L); any of them but none may be "
-    "followed by +momentum (inverse+dc:L+momentum), or momentum alone";
+    "followed by +momentum (inverse+dc:L+momentum), or momentum alone; damp, or damp: "
+    "followed by any of them but none (damp:inverse+momentum)";
 constexpr std::string_view kTemperMomentum = "momentum";
+constexpr std::string_view kDamp = "damp";
+// What "damp" alone switches to: the pair with the largest stable step of those measured
+// (docs/benchmarks.md, "Why the bound's stable step is so small").
+constexpr std::string_view kDefaultDamped = "inverse+momentum";
 
 bool IsCompensation(std::string_view text) {
   return text.starts_with("dc:") || text.starts_with("dca:");
@@ -171,6 +176,20 @@ std::string PolicyNumber(float v) {
 }  // namespace
 
 Result<StalenessPolicy> StalenessPolicy::Parse(std::string_view whole) {
+  if (whole == kDamp || (whole.starts_with(kDamp) && whole.size() > kDamp.size() &&
+                         whole[kDamp.size()] == ':')) {
+    const std::string_view rest =
+        whole == kDamp ? kDefaultDamped : whole.substr(kDamp.size() + 1);
+    auto damped = Parse(rest);
+    if (!damped.ok() || damped->damp || *damped == StalenessPolicy{}) {
+      return Error(StatusCode::kInvalidArgument,
+                   "staleness policy '{}' is not one of {}: damp applies a policy other than "
+                   "none once the job needs it",
+                   whole, kStalenessForms);
+    }
+    damped->damp = true;
+    return damped;
+  }
   StalenessPolicy p;
   std::string_view text = whole;
   if (text == kTemperMomentum) {
@@ -221,7 +240,16 @@ std::string StalenessPolicy::ToString() const {
     add(dc);
   }
   if (temper_momentum) add(kTemperMomentum);
-  return text.empty() ? weight : text;
+  if (text.empty()) text = weight;
+  return damp ? fmt::format("{}:{}", kDamp, text) : text;
+}
+
+StalenessPolicy StalenessPolicy::Active(bool damped) const {
+  if (!damp) return *this;
+  if (!damped) return {};
+  StalenessPolicy p = *this;
+  p.damp = false;
+  return p;
 }
 
 uint32_t StalenessPolicy::CompensationDepth(const SyncMode& sync) const {

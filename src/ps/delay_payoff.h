@@ -84,6 +84,8 @@ class DelayPayoff {
   // `staleness`: the job's policy, whose weight of a stale gradient scales what it is worth.
   explicit DelayPayoff(DelayPayoffOptions options, StalenessPolicy staleness = {},
                        StaleWorthOptions worth = {});
+  // The policy the servers now apply (the staleness policy damp changes it once).
+  void SetStaleness(const StalenessPolicy& staleness) { staleness_ = staleness; }
 
   // What to apply, given the policy's proposal: the proposal itself (the reference returned
   // is `proposal`), or bsp. Nothing is copied: it runs at every commit.

@@ -213,6 +213,7 @@ std::string EncodeWelcome(const Welcome& w) {
   if (!w.servers_back.empty()) j["servers_back"] = w.servers_back;
   if (!w.servers_filling.empty()) j["servers_filling"] = w.servers_filling;
   if (w.takeover_from) j["takeover_from"] = *w.takeover_from;
+  if (w.damp_from) j["damp_from"] = *w.damp_from;
   if (w.restore) {
     j["restore"] = {{"file", w.restore->file}, {"crc32", w.restore->crc32},
                     {"version", w.restore->version}};
@@ -299,6 +300,11 @@ Result<Welcome> DecodeWelcome(std::span<const std::byte> meta) {
   if (j.contains("servers_back")) DSYNC_RETURN_IF_ERROR(Field(j, "servers_back", &w.servers_back));
   if (j.contains("servers_filling")) {
     DSYNC_RETURN_IF_ERROR(Field(j, "servers_filling", &w.servers_filling));
+  }
+  if (j.contains("damp_from")) {
+    Round from = 0;
+    DSYNC_RETURN_IF_ERROR(Field(j, "damp_from", &from));
+    w.damp_from = from;
   }
   if (j.contains("takeover_from")) {
     Round from = 0;

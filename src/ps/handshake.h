@@ -88,6 +88,9 @@ struct Welcome {
   // servers: the newest change of the learning rate (its first round, the rate), so that a
   // server joining after it runs with it too.
   std::optional<std::pair<Round, float>> learning_rate;
+  // servers, where the staleness policy damps: the round from which the job is damped, once
+  // it is (kDamp), so that a server joining after it applies the damped policy too.
+  std::optional<Round> damp_from;
   // servers of a resumed job: the checkpoint file to load before taking clients, its CRC-32
   // (the manifest's) and the version it holds.
   struct Restore {

@@ -46,6 +46,7 @@ std::string_view MsgTypeName(MsgType type) {
     case MsgType::kCopyOut: return "copy-out";
     case MsgType::kCopy: return "copy";
     case MsgType::kCopied: return "copied";
+    case MsgType::kDamp: return "damp";
   }
   return "unknown";
 }
@@ -189,6 +190,7 @@ Status DecodeRound(std::span<const std::byte> meta, std::vector<RoundEntry>& out
 void EncodeCommit(const CommitProof& proof, std::vector<std::byte>& out) {
   MetaWriter w(out);
   w.Put(proof.receipts);
+  w.Put(proof.size);
   w.Put(static_cast<uint32_t>(proof.tensors.size()));
   for (const CommittedTensor& t : proof.tensors) {
     w.Put(t.tensor);
@@ -201,7 +203,8 @@ Status DecodeCommit(std::span<const std::byte> meta, CommitProof& out) {
   MetaReader r(meta);
   uint32_t n = 0;
   out.tensors.clear();
-  if (!r.Get(&out.receipts) || !r.Get(&n) || n > meta.size() / kCommittedTensorBytes) {
+  if (!r.Get(&out.receipts) || !r.Get(&out.size) || !r.Get(&n) ||
+      n > meta.size() / kCommittedTensorBytes) {
     return Error(StatusCode::kProtocol, "commit metadata is truncated");
   }
   for (uint32_t i = 0; i < n; ++i) {

@@ -36,7 +36,8 @@ constexpr uint32_t kFrameMagic = 0x53505344;  // "DSPS" in memory order
 // 6: lost copies recreated on a server that takes a lost rank's place (kServerBack,
 //    kServerBackAck, kServerServes, kCopyOut, kCopy, kCopied; kInit's kFlagLayout; welcome
 //    fields).
-constexpr uint16_t kProtocolVersion = 6;
+// 7: damping (kDamp, the welcome's damp_from, kCommit's gradient size in CommitProof).
+constexpr uint16_t kProtocolVersion = 7;
 // Bounds checked before anything is allocated or read (docs/contract.md, "Trust").
 constexpr uint32_t kMaxMetaBytes = 64u << 10;
 constexpr uint64_t kMaxPayloadBytes = 1ull << 31;
@@ -104,6 +105,9 @@ enum class MsgType : uint16_t {
                   // the sender's slices; flags & kFlagLast: the sender's last; status != 0:
                   // the sender cannot (meta = why)
   kCopied = 42,   // the new server -> scheduler: round(): every copy is in, at that version
+  // the staleness policy damp (StalenessPolicy)
+  kDamp = 43,     // scheduler -> server: round(): the damped policy applies from that round
+                  // on; sent before that round's kRound
 };
 
 std::string_view MsgTypeName(MsgType type);
@@ -314,6 +318,11 @@ struct CommittedTensor {
 struct CommitProof {
   std::array<uint8_t, 16> receipts{};
   std::vector<CommittedTensor> tensors;  // ascending ids, each once
+  // The gradient's size, the root mean square of its elements, where the job's staleness
+  // policy damps (GrowthWatch); negative where not measured. Any float is accepted: a
+  // gradient that is not finite has a size that is not (the scheduler treats it as growth).
+  float size = kSizeNotMeasured;
+  static constexpr float kSizeNotMeasured = -1.0f;
 };
 void EncodeCommit(const CommitProof& proof, std::vector<std::byte>& out);
 Status DecodeCommit(std::span<const std::byte> meta, CommitProof& out);

@@ -14,14 +14,18 @@
 
 namespace dsync::ps {
 
-void SchedulerNode::StartAuto() {
+void SchedulerNode::StartJobPolicies() {
   policy_.reset();
   payoff_.reset();
+  growth_.reset();
+  damp_from_.reset();
+  // Only a job that can apply a stale gradient has one to damp.
+  if (cfg_.staleness.damp && cfg_.sync != SyncMode::Bsp()) growth_.emplace();
   if (!cfg_.sync.adaptive) return;
   AutoPolicyOptions o;
   o.max_bound = cfg_.sync.bound;
   policy_.emplace(o);
-  payoff_.emplace(DelayPayoffOptions{}, cfg_.staleness);
+  payoff_.emplace(DelayPayoffOptions{}, cfg_.staleness.Active(false));
 }
 
 SchedulerNode::~SchedulerNode() {
@@ -147,6 +151,9 @@ Status SchedulerNode::Resume() {
   DSYNC_RETURN_IF_ERROR(rule_.StartAt(m.version, m.clock));
   rounds_announced_ = m.version;
   learning_rate_ = m.learning_rate;
+  // A job damped before its checkpoint stays damped (a job resumed with another policy
+  // than damp has nothing to damp).
+  if (m.damp_from && cfg_.staleness.damp) ResumeDamped(*m.damp_from);
   prior_gradients_ = m.gradients_committed;
   checkpoints_ = CheckpointCoordinator(cfg_, m.version);
   spdlog::info("scheduler: resuming from {} (version {}, clock {}, {} gradient(s) applied "
@@ -221,6 +228,11 @@ SchedulerStats SchedulerNode::stats() const {
   s.rounds_closed = rule_.stats().rounds_closed;
   s.gradients_committed = rule_.stats().gradients_committed;
   s.max_staleness = rule_.stats().max_staleness;
+  s.damped_from = damp_from_;
+  if (growth_) {
+    s.growth_peak = growth_->peak_ratio();
+    s.growth_peak_round = growth_->peak_round();
+  }
   s.live_workers = rule_.live_workers();
   return s;
 }

@@ -104,6 +104,7 @@ Welcome SchedulerNode::JobWelcome(NodeId id) const {
   w.num_servers = cfg_.num_servers;
   w.replicas = cfg_.replicas;
   w.learning_rate = learning_rate_;
+  w.damp_from = damp_from_;
   w.reconnect_grace_ms = cfg_.journal.empty() ? 0 : cfg_.reconnect_grace_ms;
   return w;
 }
@@ -263,6 +264,11 @@ void SchedulerNode::HandleRejoin(PeerId peer, const FrameHeader& h, const Hello&
       std::vector<std::byte> meta;
       EncodeLearningRate(rate, meta);
       Send(peer, lr, meta);
+    }
+    if (damp_from_ && *damp_from_ >= from) {
+      FrameHeader damp = MakeHeader(MsgType::kDamp, kSchedulerId);
+      damp.set_round(*damp_from_);
+      Send(peer, damp);
     }
     uint64_t resent = 0;
     for (const auto& [round, meta] : recent_rounds_) {

@@ -125,6 +125,7 @@ void SchedulerNode::BeginCheckpoint() {
   m.gradients_committed = prior_gradients_ + gradients_in_rounds_;
   m.clock = ResumeClock();
   m.learning_rate = learning_rate_;
+  m.damp_from = damp_from_;
   const Version version = m.version;
   const std::string dir = checkpoints_.Begin(std::move(m), SteadyClock::now());
   FrameHeader h = MakeHeader(MsgType::kCheckpoint, kSchedulerId);

@@ -33,6 +33,7 @@
 #include "ps/checkpoint_coordinator.h"
 #include "ps/auto_policy.h"
 #include "ps/delay_payoff.h"
+#include "ps/growth_watch.h"
 #include "ps/net_address.h"
 #include "ps/rendezvous.h"
 #include "ps/commit_proof.h"
@@ -54,11 +55,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   SchedulerNode(const Config& config, std::unique_ptr<Transport> transport)
       : cfg_(config), transport_(std::move(transport)), job_key_(RandomJobKey()),
         rule_(config.sync), checkpoints_(config, 0) {
-    StartAuto();
+    StartJobPolicies();
   }
 
-  // dsync:auto's policy and payoff check, anew (none in other modes).
-  void StartAuto();
+  // What follows the job as it runs, anew: dsync:auto's policy and payoff check (none in
+  // other modes), and the staleness policy damp's growth watch.
+  void StartJobPolicies();
 
   ~SchedulerNode() override;
 
@@ -299,8 +301,21 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // Every round from the open one on as bsp's, and dsync:auto's decisions bsp for good.
   Status FinishAsBsp();
 
-  // The tensors member m's commit covered (recorded at the commit, oldest first).
-  TensorSet TakeTensors(const RoundMember& m);
+  struct PendingCommit {
+    Clock clock = 0;
+    TensorSet tensors;
+    float size = CommitProof::kSizeNotMeasured;  // the gradient's (CommitProof::size)
+  };
+  // What member m's commit covered (recorded at the commit, oldest first): its tensors, and
+  // its size where measured.
+  PendingCommit TakeCommit(const RoundMember& m);
+
+  // The staleness policy damp: the job's gradients grow (growth_'s reason), and every
+  // server applies the damped policy from round `from` on.
+  void StartDamping(Round from);
+  // A damping decided before (the journal's, a checkpoint's): from `from` on, told to every
+  // server in its welcome.
+  void ResumeDamped(Round from);
 
   // Broadcasts every round that may close now and every ssp gate that opened.
   // With copies, whether a live server trails the rounds announced by kReplicaLagRounds or
@@ -434,6 +449,12 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   RoundRule rule_;
   std::optional<AutoPolicy> policy_;  // dsync:auto: who is slow
   std::optional<DelayPayoff> payoff_;  // dsync:auto: whether delaying them pays
+  // The staleness policy damp: whether the gradients grow (while the job is not damped),
+  // the round the job is damped from (journaled; every server's welcome carries it), and
+  // the sizes of a closed round's members.
+  std::optional<GrowthWatch> growth_;
+  std::optional<Round> damp_from_;
+  std::vector<float> round_sizes_;
   // dsync:auto's lines that change nothing applied: when the last was logged, how many since.
   static constexpr std::chrono::seconds kQuietPolicyLog{5};
   std::optional<SteadyClock::time_point> quiet_logged_;
@@ -498,7 +519,7 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   std::map<WorkerId, Clock> placed_next_clock_;
   // The tensors each committed gradient covers, per worker in clock order, until its round
   // goes out.
-  std::unordered_map<WorkerId, std::deque<std::pair<Clock, TensorSet>>> pending_tensors_;
+  std::unordered_map<WorkerId, std::deque<PendingCommit>> pending_tensors_;
   std::vector<RoundEntry> round_entries_;
   CommitProof commit_scratch_;  // reused by every commit
   std::thread monitor_;

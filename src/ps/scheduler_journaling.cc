@@ -81,6 +81,7 @@ nlohmann::json SchedulerNode::JobRecord() const {
                       {"start_clock", resumed_ ? resumed_->manifest.clock : Clock{0}},
                       {"prior_gradients", prior_gradients_}};
   if (learning_rate_) j["lr"] = {learning_rate_->first, learning_rate_->second};
+  if (damp_from_) j["damp_from"] = *damp_from_;
   if (resumed_) j["resumed_from"] = resumed_->path;
   return j;
 }
@@ -218,7 +219,7 @@ Status SchedulerNode::Replay(const nlohmann::json& r, bool first) {
                                                           r.at("e").get<bool>()));
     TensorSet tensors;
     for (const auto& run : r.at("t")) tensors.push_back({run.at(0).get<TensorId>(), run.at(1).get<uint32_t>()});
-    pending_tensors_[id].push_back({clock, std::move(tensors)});
+    pending_tensors_[id].push_back({clock, std::move(tensors)});  // its size: not journaled
     ++wit->second.committed;
     wit->second.last_ack = CommitAnswer{clock, res.round, res.gate.value_or(kNoGate)};
     return Status::Ok();
@@ -274,6 +275,10 @@ Status SchedulerNode::Replay(const nlohmann::json& r, bool first) {
     lr_changes_[learning_rate_->first] = learning_rate_->second;
     return Status::Ok();
   }
+  if (kind == "damp") {
+    ResumeDamped(r.at("from").get<Round>());
+    return Status::Ok();
+  }
   if (kind == "restarted") return Status::Ok();
   if (kind == "end") {
     return Error(StatusCode::kFailedPrecondition,
@@ -322,7 +327,7 @@ Status SchedulerNode::ReplayJob(const nlohmann::json& r) {
   }
   DSYNC_RETURN_IF_ERROR(cfg_.Validate());
   rule_ = RoundRule(cfg_.sync);
-  StartAuto();
+  StartJobPolicies();
   server_events_ = ServerEvents(cfg_.num_servers);  // the journal's server count
   const Round start = r.at("start_version").get<Round>();
   if (start > 0) DSYNC_RETURN_IF_ERROR(rule_.StartAt(start, r.at("start_clock").get<Clock>()));
@@ -332,6 +337,7 @@ Status SchedulerNode::ReplayJob(const nlohmann::json& r) {
     learning_rate_ = std::make_pair(r["lr"].at(0).get<Round>(), r["lr"].at(1).get<float>());
     lr_changes_[learning_rate_->first] = learning_rate_->second;
   }
+  if (r.contains("damp_from")) ResumeDamped(r["damp_from"].get<Round>());
   if (r.contains("resumed_from")) {
     // Servers that register after the restart load their slices from it.
     const std::string path = r["resumed_from"].get<std::string>();
@@ -347,7 +353,12 @@ Status SchedulerNode::ReplayJob(const nlohmann::json& r) {
 
 void SchedulerNode::PlaceRound(RoundRecord& rec, bool audit) {
   round_entries_.clear();
-  for (const RoundMember& m : rec.members) round_entries_.push_back({m, TakeTensors(m)});
+  round_sizes_.clear();
+  for (const RoundMember& m : rec.members) {
+    PendingCommit c = TakeCommit(m);
+    round_entries_.push_back({m, std::move(c.tensors)});
+    round_sizes_.push_back(c.size);
+  }
   EncodeRound(round_entries_, meta_buf_);
   if (!cfg_.journal.empty()) {
     recent_rounds_.emplace_back(rec.round, meta_buf_);

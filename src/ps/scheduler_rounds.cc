@@ -113,10 +113,10 @@ void SchedulerNode::HandleCommit(PeerId peer, WorkerId id, WorkerEntry& entry, c
   entry.last_ack = CommitAnswer{h.clock(), r->round, r->gate.value_or(kNoGate)};
   // Commits are placed in clock order and rounds take each worker's oldest: a FIFO per
   // worker pairs every round member with its tensors.
-  pending_tensors_[id].push_back({h.clock(), TensorsOf(proof)});
+  pending_tensors_[id].push_back({h.clock(), TensorsOf(proof), empty ? CommitProof::kSizeNotMeasured : proof.size});
   if (journal_.open()) {
     nlohmann::json runs = nlohmann::json::array();
-    for (const TensorRange& t : pending_tensors_[id].back().second) runs.push_back({t.first, t.count});
+    for (const TensorRange& t : pending_tensors_[id].back().tensors) runs.push_back({t.first, t.count});
     journal_.Add({{"k", "commit"}, {"w", id}, {"c", h.clock()}, {"b", h.base()},
                   {"e", empty}, {"t", std::move(runs)}});
   }
@@ -164,6 +164,32 @@ void SchedulerNode::HandleSetLearningRate(PeerId peer, WorkerId id, const FrameH
   ack.request = h.request;
   ack.set_round(from);
   Send(peer, ack);
+}
+
+void SchedulerNode::ResumeDamped(Round from) {
+  damp_from_ = from;
+  if (payoff_) payoff_->SetStaleness(cfg_.staleness.Active(true));
+}
+
+void SchedulerNode::StartDamping(Round from) {
+  ResumeDamped(from);
+  const std::string damped = cfg_.staleness.Active(true).ToString();
+  auto tell = [this, from, damped, why = growth_->reason()] {
+    audit_.Damp(from, damped, why);
+    spdlog::info("scheduler: staleness policy {} from round {}: {}", damped, from, why);
+  };
+  if (journal_.open()) {
+    journal_.Add({{"k", "damp"}, {"from", from}});
+    Out(std::move(tell));  // never a decision the journal may not hold, as AuditRound
+  } else {
+    tell();
+  }
+  const FrameHeader to_server = [&] {
+    FrameHeader h = MakeHeader(MsgType::kDamp, kSchedulerId);
+    h.set_round(from);
+    return h;
+  }();
+  for (const ServerEntry& s : LiveServers()) Send(s.peer, to_server);
 }
 
 void SchedulerNode::RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close) {
@@ -329,20 +355,20 @@ Status SchedulerNode::FinishAsBsp() {
   return Status::Ok();
 }
 
-TensorSet SchedulerNode::TakeTensors(const RoundMember& m) {
+SchedulerNode::PendingCommit SchedulerNode::TakeCommit(const RoundMember& m) {
   auto it = pending_tensors_.find(m.worker);
   if (it == pending_tensors_.end() || it->second.empty() ||
-      it->second.front().first != m.clock) {
+      it->second.front().clock != m.clock) {
     // The rule places commits in the order they came: this cannot happen. Say it loudly;
     // the servers then apply nothing of it, and stop the job if they hold it.
     spdlog::error("scheduler: no record of the tensors of worker {}'s clock {}", m.worker,
                   m.clock);
     return {};
   }
-  TensorSet set = std::move(it->second.front().second);
+  PendingCommit commit = std::move(it->second.front());
   it->second.pop_front();
   if (it->second.empty() && !rule_.is_live(m.worker)) pending_tensors_.erase(it);
-  return set;
+  return commit;
 }
 
 bool SchedulerNode::ReplicaLagging() const {
@@ -367,6 +393,10 @@ void SchedulerNode::Progress() {
       if (cfg_.test_crash_after_round == rec.round) crash_after_write_ = true;
     }
     PlaceRound(rec, /*audit=*/true);
+    // Damped from this round on: its kDamp goes before its kRound.
+    if (growth_ && !damp_from_ && growth_->RoundClosed(rec.round, round_sizes_)) {
+      StartDamping(rec.round);
+    }
     FrameHeader h = MakeHeader(MsgType::kRound, kSchedulerId);
     h.set_round(rec.round);
     for (const ServerEntry& s : LiveServers()) Send(s.peer, h, meta_buf_);

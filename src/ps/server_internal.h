@@ -131,6 +131,8 @@ class ServerNode final : public Server, public TransportHandler {
     // The learning rate every tensor's optimizer runs with in this round, where the job
     // changed it (Worker::SetLearningRate); else each tensor's own.
     std::optional<float> lr;
+    // The staleness policy damp: whether the job is damped in this round (kDamp).
+    bool damped = false;
     // Not a round: write a checkpoint of version `round` (every round before it applied)
     // into this directory.
     std::string checkpoint_dir;
@@ -340,6 +342,7 @@ class ServerNode final : public Server, public TransportHandler {
   Status result_;
   std::deque<PendingRound> rounds_;
   std::map<Round, float> lr_schedule_;  // round -> the job's learning rate from it on
+  std::optional<Round> damp_from_;       // the staleness policy damp: damped from this round
   std::thread apply_thread_;
   std::thread heartbeat_thread_;
   // A lost scheduler of a journaled job (Welcome::reconnect_grace_ms): the thread that waits

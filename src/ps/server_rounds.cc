@@ -92,10 +92,11 @@ Status ServerNode::CheckRoundStaged(const PendingRound& r) {
 
 void ServerNode::MemberWeights(const PendingRound& r, std::vector<float>& member_weights) const {
   member_weights.clear();
-  if (job_.staleness.kind == StalenessKind::kNone) return;
+  const StalenessPolicy policy = job_.staleness.Active(r.damped);
+  if (policy.kind == StalenessKind::kNone) return;
   bool all_one = true;
   for (const RoundEntry& e : r.members) {
-    member_weights.push_back(job_.staleness.Weight(Staleness(r.round, e.member.base)));
+    member_weights.push_back(policy.Weight(Staleness(r.round, e.member.base)));
     all_one = all_one && member_weights.back() == 1.0f;
   }
   if (all_one) member_weights.clear();
@@ -175,9 +176,11 @@ Status ServerNode::ApplyRound(const PendingRound& r, RoundScratch& scratch) {
   std::vector<size_t>& used = scratch.used;
   // Delay compensation: every slice keeps the same versions on every server (a job's depth
   // is fixed, and snapshots carry what was kept), so copies stay alike.
+  // With damp, the versions are kept from the start and used once damped (lambda 0 before).
+  const StalenessPolicy policy = job_.staleness.Active(r.damped);
   Compensation comp;
   comp.depth = job_.staleness.CompensationDepth(job_.sync);
-  comp.lambda = comp.depth > 0 ? job_.staleness.compensation : 0.0f;  // bsp: never stale
+  comp.lambda = comp.depth > 0 ? policy.compensation : 0.0f;  // bsp: never stale
   comp.adaptive = job_.staleness.adaptive;
   comp.round = r.round;
   const std::vector<float>& member_weights = scratch.member_weights;
@@ -215,8 +218,8 @@ Status ServerNode::ApplyRound(const PendingRound& r, RoundScratch& scratch) {
     }
     OptimizerConfig opt = s->optimizer;
     if (r.lr) opt.lr = *r.lr;
-    if (opt.kind == OptimizerKind::kMomentum && job_.staleness.temper_momentum) {
-      opt.momentum = job_.staleness.RoundMomentum(opt.momentum, MeanStaleness(r, scratch));
+    if (opt.kind == OptimizerKind::kMomentum && policy.temper_momentum) {
+      opt.momentum = policy.RoundMomentum(opt.momentum, MeanStaleness(r, scratch));
     }
     comp.bases = bases;
     if (measure) MeasureAgreement(r, *s, scratch);

@@ -60,6 +60,7 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
         id_ = job_.id;
         // A change of the learning rate made before this server joined.
         if (job_.learning_rate) lr_schedule_[job_.learning_rate->first] = job_.learning_rate->second;
+        if (job_.damp_from) damp_from_ = job_.damp_from;  // damped before this server joined
         clients_.Configure(*job_.job_key, job_.id);
         ledger_.Configure(*job_.job_key, job_.id, job_.num_servers,
                           StagingWindow(job_.sync, job_.replicas), job_.replicas);
@@ -95,7 +96,7 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
       return;
     }
     case MsgType::kRound: {
-      PendingRound r{h.round(), {}, std::nullopt, {}, {}, {}, 0};
+      PendingRound r{h.round(), {}, std::nullopt, false, {}, {}, {}, 0};
       Status st = DecodeRound(meta, r.members);
       std::lock_guard lock(mu_);
       if (!st.ok()) {
@@ -105,6 +106,7 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
       } else {
         next_round_in_ = r.round + 1;
         r.lr = LearningRateOf(r.round);
+        r.damped = damp_from_ && r.round >= *damp_from_;
         rounds_.push_back(std::move(r));
       }
       cv_.notify_all();
@@ -122,6 +124,18 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
         spdlog::info("server {}: learning rate {} from round {}", id_.load(), *lr, h.round());
       }
       cv_.notify_all();
+      return;
+    }
+    case MsgType::kDamp: {
+      // Sent before the round it starts from, on this same ordered connection: every
+      // server damps from the same round. The first word holds (a restarted scheduler
+      // sends it again).
+      std::lock_guard lock(mu_);
+      if (!damp_from_) {
+        damp_from_ = h.round();
+        spdlog::info("server {}: staleness policy {} from round {}", id_.load(),
+                     job_.staleness.Active(true).ToString(), h.round());
+      }
       return;
     }
     case MsgType::kWorkerGone:
@@ -179,7 +193,7 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
         return;
       }
       // Queued behind the rounds before it: the apply thread sends them in order.
-      PendingRound copy{h.round(), {}, std::nullopt, {}, h.gone_server(), {}, h.backs()};
+      PendingRound copy{h.round(), {}, std::nullopt, false, {}, h.gone_server(), {}, h.backs()};
       Status st = DecodeLiveRanks(meta, job_.num_servers, copy.live);
       if (!st.ok()) {
         result_ = st.WithContext("copy request from the scheduler");
@@ -196,7 +210,7 @@ void ServerNode::HandleScheduler(const FrameHeader& h, std::span<const std::byte
         result_ = Error(StatusCode::kProtocol, "a checkpoint request names no directory");
       } else {
         rounds_.push_back(
-            PendingRound{h.round(), {}, std::nullopt, std::string(AsText(meta)), {}, {}, 0});
+            PendingRound{h.round(), {}, std::nullopt, false, std::string(AsText(meta)), {}, {}, 0});
       }
       cv_.notify_all();
       return;

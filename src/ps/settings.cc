@@ -266,7 +266,7 @@ constexpr Setting kSettings[] = {
    "bsp | dsync:K | dsync:K,Q | dsync:auto[:KMAX] | ssp:K | asp", S::kJob, true, false,
    SetSync, GetSync},
   {"DSYNC_STALENESS_POLICY", {}, "--staleness-policy",
-   "servers weigh a gradient s rounds stale: none | inverse (1/(1+s)) | exp:C (C^s, 0<C<=1); and/or correct it: dc:L[,D] (g + L*g*g*(w - w_base), D versions kept) or dca:L[,D] (L/sqrt(mean g*g)), e.g. inverse+dca:L; a final +momentum (or momentum alone) lowers momentum SGD's momentum m to max(0, 1-(1-m)(1+s)), s the round's mean staleness",
+   "servers weigh a gradient s rounds stale: none | inverse (1/(1+s)) | exp:C (C^s, 0<C<=1); and/or correct it: dc:L[,D] (g + L*g*g*(w - w_base), D versions kept) or dca:L[,D] (L/sqrt(mean g*g)), e.g. inverse+dca:L; a final +momentum (or momentum alone) lowers momentum SGD's momentum m to max(0, 1-(1-m)(1+s)), s the round's mean staleness; damp[:P] applies none until the workers' gradients grow fast, then P (inverse+momentum) to the end",
    S::kJob, true, false, SetStaleness, GetStaleness},
   {"DSYNC_OPTIMIZER", {}, "--optimizer",
    "sgd | momentum | adam | adamw | sum (torch.optim's formulas; sum: w += the gradients)",

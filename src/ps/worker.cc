@@ -22,6 +22,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "ps/growth_watch.h"
 #include "ps/launcher_pipe.h"
 #include "ps/handshake.h"
 #include "ps/rejoin.h"
@@ -666,6 +667,8 @@ class WorkerNode final : public Worker, public TransportHandler {
     bool commit_sent = false;
     uint32_t advance_op = kNoOp;
     CommitProof proof;         // tensors pushed (none: an empty commit); receipts: below
+    double size_squares = 0.0;  // damp: the gradient's sum of squares and element count
+    uint64_t size_elements = 0;
     // By server rank: acknowledgements still owed and the receipts got, so that a lost
     // server's share can be taken out of the commit (its receipts are left out, losses()).
     std::vector<uint32_t> acks_at;
@@ -910,6 +913,14 @@ class WorkerNode final : public Worker, public TransportHandler {
           Break(st.WithContext(fmt::format("push tensor {}", tensor)));
           return HandleOf(op);
         }
+      }
+    }
+    if (job_.staleness.damp && job_.sync != SyncMode::Bsp()) {
+      // The gradient's size, which the scheduler watches to damp the job (GrowthWatch; bsp
+      // has no stale gradient to damp).
+      for (const SliceRef& s : t.layout.slices) {
+        cs.size_squares += SumOfSquares(std::span(grad + s.offset, s.elements));
+        cs.size_elements += s.elements;
       }
     }
     t.pushed_clock = clock_;
@@ -1247,6 +1258,10 @@ class WorkerNode final : public Worker, public TransportHandler {
     for (uint32_t r = 0; r < cs.receipts_at.size(); ++r) {
       if (!server_lost_[r]) XorInto(cs.proof.receipts, cs.receipts_at[r]);
     }
+    cs.proof.size = cs.size_elements == 0
+                        ? CommitProof::kSizeNotMeasured
+                        : static_cast<float>(std::sqrt(cs.size_squares /
+                                                       static_cast<double>(cs.size_elements)));
     EncodeCommit(cs.proof, commit_meta_);
     Status st = transport_->Send(scheduler_, h, commit_meta_, nullptr, 0);
     if (!st.ok()) {

@@ -30,6 +30,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(again->ToString() == canonical);
   FUZZ_CHECK(p->compensation >= 0.0f && std::isfinite(p->compensation));
   FUZZ_CHECK(p->depth <= StalenessPolicy::kMaxCompensationDepth);
+  // damp: none until damped, then a policy that is no damp policy itself and not none.
+  FUZZ_CHECK(!p->Active(true).damp && !p->Active(false).damp);
+  if (p->damp) {
+    FUZZ_CHECK(p->Active(false) == StalenessPolicy{});
+    FUZZ_CHECK(!(p->Active(true) == StalenessPolicy{}));
+  } else {
+    FUZZ_CHECK(p->Active(false) == *p && p->Active(true) == *p);
+  }
 
   const uint64_t s = in.ConsumeIntegral<uint64_t>();
   const float w = p->Weight(s);
