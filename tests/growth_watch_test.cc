@@ -98,7 +98,7 @@ TEST(GrowthWatch, DivergenceFiresOnceSoonAfterItStarts) {
   EXPECT_LE(*fired, 26u);
   EXPECT_NE(watch.reason().find("grew"), std::string::npos) << watch.reason();
   EXPECT_NE(watch.reason().find(std::to_string(*fired)), std::string::npos) << watch.reason();
-  EXPECT_GT(watch.fast_mean(), 2 * watch.slow_mean());
+  EXPECT_GT(watch.fast_mean(), GrowthWatchOptions{}.ratio * watch.slow_mean());
   std::vector<float> more{1e9f, 1e9f};
   EXPECT_FALSE(watch.RoundClosed(100, more));
   EXPECT_EQ(watch.fired_at(), fired);

@@ -40,7 +40,8 @@ struct RunMetrics {
   std::vector<CurvePoint> curve;  // in time order; the last point is the final model
   // The staleness policy damp: the round the scheduler damped the job from, if it did.
   std::optional<Version> damped_from_round;
-  // Where it never damped: the largest ratio its growth watch saw (damping at 2).
+  // Where it never damped: the largest ratio its growth watch saw (it damps past
+  // GrowthWatchOptions::ratio).
   std::optional<double> growth_peak;
 
   // Filled by ComputeTargetTimes.

@@ -27,7 +27,8 @@ struct SchedulerStats {
   // The staleness policy damp: the round from which the job is damped, once it is.
   std::optional<Round> damped_from;
   // Its growth watch: the largest ratio of the gradients' recent size to their level after
-  // the warm-up (damping at 2), and the round of it; 0 without the watch.
+  // the warm-up (it damps past GrowthWatchOptions::ratio), and the round of it; 0 without
+  // the watch.
   double growth_peak = 0.0;
   Round growth_peak_round = 0;
   // dsync:auto: the servers' reports of how stale gradients agree with fresh ones (the
