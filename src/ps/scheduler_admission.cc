@@ -265,11 +265,7 @@ void SchedulerNode::HandleRejoin(PeerId peer, const FrameHeader& h, const Hello&
       EncodeLearningRate(rate, meta);
       Send(peer, lr, meta);
     }
-    if (damp_from_ && *damp_from_ >= from) {
-      FrameHeader damp = MakeHeader(MsgType::kDamp, kSchedulerId);
-      damp.set_round(*damp_from_);
-      Send(peer, damp);
-    }
+    if (damp_from_ && *damp_from_ >= from) Send(peer, DampFrame());
     uint64_t resent = 0;
     for (const auto& [round, meta] : recent_rounds_) {
       if (round < from) continue;

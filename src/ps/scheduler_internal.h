@@ -316,6 +316,8 @@ class SchedulerNode final : public Scheduler, public TransportHandler {
   // A damping decided before (the journal's, a checkpoint's): from `from` on, told to every
   // server in its welcome.
   void ResumeDamped(Round from);
+  // The kDamp frame that tells a server the round damping starts from (damp_from_ is set).
+  FrameHeader DampFrame() const;
 
   // Broadcasts every round that may close now and every ssp gate that opened.
   // With copies, whether a live server trails the rounds announced by kReplicaLagRounds or

@@ -184,12 +184,13 @@ void SchedulerNode::StartDamping(Round from) {
   } else {
     tell();
   }
-  const FrameHeader to_server = [&] {
-    FrameHeader h = MakeHeader(MsgType::kDamp, kSchedulerId);
-    h.set_round(from);
-    return h;
-  }();
-  for (const ServerEntry& s : LiveServers()) Send(s.peer, to_server);
+  for (const ServerEntry& s : LiveServers()) Send(s.peer, DampFrame());
+}
+
+FrameHeader SchedulerNode::DampFrame() const {
+  FrameHeader h = MakeHeader(MsgType::kDamp, kSchedulerId);
+  h.set_round(damp_from_.value_or(0));
+  return h;
 }
 
 void SchedulerNode::RemoveWorker(WorkerId id, bool failed, const std::string& why, bool close) {

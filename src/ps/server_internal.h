@@ -225,9 +225,10 @@ class ServerNode final : public Server, public TransportHandler {
   // scheduler placed it on the servers' receipts. A gap is a protocol error, never skipped.
   Status CheckRoundStaged(const PendingRound& r);
 
-  // The staleness policy's weight of each member's gradient; empty when every one weighs 1
-  // (then the stores sum as they always have), as under `none` always.
-  void MemberWeights(const PendingRound& r, std::vector<float>& member_weights) const;
+  // `policy`'s weight (the round's active one) of each member's gradient; empty when every
+  // one weighs 1 (then the stores sum as they always have), as under `none` always.
+  void MemberWeights(const PendingRound& r, const StalenessPolicy& policy,
+                     std::vector<float>& member_weights) const;
 
   // The mean staleness of the slice's gradients in this round (scratch.member_of), each
   // counted with its weight as the sum counts it; 0 for a round of fresh gradients only. Where

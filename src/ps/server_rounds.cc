@@ -90,9 +90,9 @@ Status ServerNode::CheckRoundStaged(const PendingRound& r) {
   return Status::Ok();
 }
 
-void ServerNode::MemberWeights(const PendingRound& r, std::vector<float>& member_weights) const {
+void ServerNode::MemberWeights(const PendingRound& r, const StalenessPolicy& policy,
+                               std::vector<float>& member_weights) const {
   member_weights.clear();
-  const StalenessPolicy policy = job_.staleness.Active(r.damped);
   if (policy.kind == StalenessKind::kNone) return;
   bool all_one = true;
   for (const RoundEntry& e : r.members) {
@@ -184,7 +184,7 @@ Status ServerNode::ApplyRound(const PendingRound& r, RoundScratch& scratch) {
   comp.adaptive = job_.staleness.adaptive;
   comp.round = r.round;
   const std::vector<float>& member_weights = scratch.member_weights;
-  MemberWeights(r, scratch.member_weights);
+  MemberWeights(r, policy, scratch.member_weights);
   // Payload: the round's number, shown on the timeline (0 is shown as no payload).
   trace::Scoped range(trace::Range::kServerRound, r.round);
   std::shared_lock lock(slices_mu_);
